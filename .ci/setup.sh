@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sets up .venv for weightd development: torch's CPU build, then weightd with [dev] extras
+# (editable). Idempotent and quick when nothing changed. Sourced by .ci/test.sh and
+# deploy/demo.sh; safe to run by itself.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python3}
+# torch: these machines keep the 2.13.0 CPU wheel on disk; an unpinned torch would pull a
+# multi-GB CUDA build. GPU hosts: set WEIGHTD_TORCH_SPEC to the build you want (or "" to
+# keep the installed one).
+TORCH_SPEC=${WEIGHTD_TORCH_SPEC-torch==2.13.0}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=$(cat pyproject.toml .ci/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.weightd-setup 2>/dev/null || true)" != "$stamp" ]; then
+  echo "setting up .venv (torch: ${TORCH_SPEC:-as installed})" >&2
+  if [ -n "$TORCH_SPEC" ]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  fi
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  .venv/bin/python -c "import torch, grpc, weightd.client, weightd.server.cli" \
+    || { echo "setup failed: see pip output above" >&2; exit 1; }
+  echo "$stamp" > .venv/.weightd-setup
+fi

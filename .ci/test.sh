@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole test suite: set up, lint, type-check, stub drift check, then pytest.
+# README quick-start command (2); .ci/run calls exactly this.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash .ci/setup.sh
+export PYTHONDONTWRITEBYTECODE=1
+echo "== ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+echo "== mypy --strict"
+.venv/bin/mypy -p weightd.client -p weightd.common -p weightd.server
+echo "== generated stubs"
+PYTHON=.venv/bin/python bash .ci/gen-proto --check
+echo "== pytest"
+exec .venv/bin/python -m pytest "$@"

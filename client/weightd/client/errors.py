@@ -1,0 +1,84 @@
+"""Typed client errors. Each carries the gRPC status code and the daemon's detail.
+
+Callers catch the class for the situation (``ModelNotFoundError``, ``DataLossError``)
+or the base :class:`WeightdError` for all; nothing is swallowed or turned into a
+boolean. Errors the client itself detects (a digest mismatch, a stream cut short)
+use the same classes with the code the daemon would have used.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class WeightdError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, detail: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.detail}"
+
+
+class NotFoundError(WeightdError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class InvalidArgumentError(WeightdError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPreconditionError(WeightdError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class DataLossError(WeightdError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class ResourceExhaustedError(WeightdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(WeightdError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(WeightdError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class PermissionDeniedError(WeightdError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class UnauthenticatedError(WeightdError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+_BY_CODE: dict[grpc.StatusCode, type[WeightdError]] = {
+    cls.code: cls
+    for cls in (
+        NotFoundError,
+        InvalidArgumentError,
+        FailedPreconditionError,
+        DataLossError,
+        ResourceExhaustedError,
+        UnavailableError,
+        DeadlineExceededError,
+        PermissionDeniedError,
+        UnauthenticatedError,
+    )
+}
+
+
+def from_rpc_error(error: grpc.RpcError) -> WeightdError:
+    """The typed error for a failed call (``error`` must be a ``grpc.Call``)."""
+    code: grpc.StatusCode = error.code()
+    detail: str = error.details() or ""
+    cls = _BY_CODE.get(code, WeightdError)
+    return cls(detail, code)

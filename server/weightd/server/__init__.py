@@ -1,0 +1,1 @@
+"""The weightd daemon: verifies checkpoints, plans per-rank slices and serves them."""

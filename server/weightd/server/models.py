@@ -1,0 +1,148 @@
+"""The models a daemon serves: loading (verify before publish) and the live registry."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .checkpoint import Checkpoint, load_checkpoint
+from .errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady
+from .integrity import SliceAnchors, hash_checkpoint
+from .sharding import ArchRules, RankPlan, plan_rank, rules_for
+from .store import ShardStore
+
+log = logging.getLogger("weightd.models")
+MAX_CACHED_PLANS = 256
+
+
+@dataclass
+class LoadedModel:
+    """A verified, open model. Immutable once published, except for being marked broken."""
+
+    checkpoint: Checkpoint
+    store: ShardStore
+    rules: ArchRules | None
+    tensor_digests: dict[str, str]
+    anchors: SliceAnchors
+    broken: str | None = None
+    _plans: dict[tuple[int, int], RankPlan] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.checkpoint.name
+
+    def plan(self, world_size: int, rank: int, names: tuple[str, ...] = ()) -> RankPlan:
+        if names:
+            return plan_rank(self.checkpoint, self.rules, world_size, rank, names)
+        key = (world_size, rank)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_rank(self.checkpoint, self.rules, world_size, rank)
+            if len(self._plans) < MAX_CACHED_PLANS:  # world sizes are client-chosen: bound them
+                self._plans[key] = plan
+        return plan
+
+
+def load_model(model_dir: str, name: str | None = None) -> LoadedModel:
+    """Open, parse, check and hash a checkpoint; the result is safe to publish."""
+    started = time.monotonic()
+    ckpt, store = load_checkpoint(model_dir, name)
+    try:
+        rules = rules_for(ckpt.config)
+        digests = hash_checkpoint(ckpt, store)
+    except BaseException:
+        store.close()
+        raise
+    log.info(
+        "verified model %s: %d tensors, %d bytes in %d shards, %.2fs",
+        ckpt.name,
+        len(ckpt.tensors),
+        ckpt.total_bytes,
+        len(ckpt.shards),
+        time.monotonic() - started,
+    )
+    return LoadedModel(ckpt, store, rules, digests, SliceAnchors(store, digests))
+
+
+class ModelRegistry:
+    """Name → model, with the states a client can observe (loading, ready, broken)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loading: set[str] = set()
+        self._models: dict[str, LoadedModel] = {}
+        self._listeners: list[Callable[[str, bool], None]] = []
+
+    def on_change(self, listener: Callable[[str, bool], None]) -> None:
+        """Call ``listener(model_name, serving)`` whenever a model's readiness changes."""
+        self._listeners.append(listener)
+
+    def _notify(self, name: str, serving: bool) -> None:
+        for listener in self._listeners:
+            listener(name, serving)
+
+    def expect(self, name: str) -> None:
+        with self._lock:
+            self._loading.add(name)
+        self._notify(name, False)
+
+    def publish(self, model: LoadedModel) -> None:
+        with self._lock:
+            old = self._models.get(model.name)
+            self._models[model.name] = model
+            self._loading.discard(model.name)
+        if old is not None and old is not model:
+            old.store.close()
+        self._notify(model.name, True)
+
+    def mark_broken(self, model: LoadedModel, reason: str) -> None:
+        if model.broken is None:
+            model.broken = reason
+            log.error("model %s stops serving: %s", model.name, reason)
+            self._notify(model.name, False)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._loading | self._models.keys())
+
+    def models(self) -> list[LoadedModel]:
+        with self._lock:
+            return [self._models[n] for n in sorted(self._models)]
+
+    def is_ready(self, name: str) -> bool:
+        with self._lock:
+            m = self._models.get(name)
+        return m is not None and m.broken is None
+
+    def get(self, name: str) -> LoadedModel:
+        """The ready model called ``name`` (or the only model when ``name`` is empty)."""
+        with self._lock:
+            if not name:
+                every = self._loading | self._models.keys()
+                if len(every) != 1:
+                    raise InvalidRequest(
+                        f"this daemon serves {len(every)} models ({', '.join(sorted(every))}); "
+                        "name one"
+                    )
+                (name,) = every
+            model = self._models.get(name)
+            loading = name in self._loading
+        if model is None:
+            if loading:
+                raise ModelNotReady(f"model {name!r} is still being verified")
+            raise ModelNotFound(
+                f"model {name!r} is not served here (serving: {', '.join(self.names())})"
+            )
+        if model.broken is not None:
+            raise DataIntegrityError(f"model {name!r} is not served until reloaded: {model.broken}")
+        return model
+
+    def close(self) -> None:
+        with self._lock:
+            models = list(self._models.values())
+            self._models.clear()
+        for m in models:
+            m.store.close()

@@ -1,0 +1,79 @@
+"""Byte-run patterns: where a slice's bytes lie in a row-major tensor. Pure.
+
+Any slice weightd serves (a block of one dimension, or several blocks of one
+dimension concatenated, as fused QKV needs) selects, for each of ``count`` outer
+rows spaced ``stride`` bytes apart, the same list of byte segments. A column-parallel
+split of dim 0 is one row with one segment; a row-parallel split of ``[out, in]`` is
+``out`` rows of one segment each. Keeping the pattern symbolic (instead of listing
+4096 runs) keeps plans small and lets the reader batch rows into one ``preadv``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RunPattern:
+    """Bytes ``base + i*stride + off .. + len`` for i in range(count), per segment, in order."""
+
+    base: int
+    stride: int
+    count: int
+    segments: tuple[tuple[int, int], ...]  # (offset within the row, length), ascending
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(length for _, length in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.row_bytes
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        """Every (file offset, length) in output order. For tests and small slices."""
+        for i in range(self.count):
+            row = self.base + i * self.stride
+            for off, length in self.segments:
+                if length:
+                    yield row + off, length
+
+
+def block_pattern(
+    base: int, shape: Sequence[int], itemsize_bits: int, dim: int, blocks: Sequence[tuple[int, int]]
+) -> RunPattern:
+    """The pattern of ``cat([t.narrow(dim, a, b - a) for a, b in blocks], dim)``.
+
+    ``t`` has ``shape`` and starts at file offset ``base``. Blocks must be ascending
+    and disjoint. The caller (the planner) guarantees that each block boundary falls on
+    a whole byte; this function re-checks it and raises ValueError otherwise.
+    """
+    if not 0 <= dim < len(shape):
+        raise ValueError(f"dim {dim} out of range for shape {tuple(shape)}")
+    outer = math.prod(shape[:dim])
+    inner_bits = math.prod(shape[dim + 1 :]) * itemsize_bits
+    if inner_bits % 8:
+        raise ValueError(f"splitting dim {dim} of {tuple(shape)} cuts through a byte")
+    inner = inner_bits // 8
+    stride = shape[dim] * inner
+    segments: list[tuple[int, int]] = []
+    cursor = 0
+    for start, stop in blocks:
+        if not cursor <= start <= stop <= shape[dim]:
+            raise ValueError(f"blocks {list(blocks)} are not ascending within 0..{shape[dim]}")
+        cursor = stop
+        off, length = start * inner, (stop - start) * inner
+        if segments and segments[-1][0] + segments[-1][1] == off:
+            segments[-1] = (segments[-1][0], segments[-1][1] + length)
+        else:
+            segments.append((off, length))
+    if outer > 1 and segments == [(0, stride)]:
+        # Every row taken whole: the slice is one contiguous run.
+        return RunPattern(base, stride * outer, 1, ((0, stride * outer),))
+    return RunPattern(base, stride, outer, tuple(segments))
+
+
+def whole_pattern(base: int, nbytes: int) -> RunPattern:
+    return RunPattern(base, nbytes, 1, ((0, nbytes),))

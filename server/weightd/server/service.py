@@ -1,0 +1,175 @@
+"""The gRPC servicer: thin. It resolves, plans, streams; errors become statuses in one place."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Final, TypeVar
+
+import grpc
+from weightd.common.digests import slice_digest
+from weightd.v1 import weightd_pb2 as pb
+from weightd.v1 import weightd_pb2_grpc as pb_grpc
+
+from .errors import DataIntegrityError, WeightdError, status_for
+from .models import LoadedModel, ModelRegistry
+from .sharding import RankPlan, TensorSlice, plan_rank
+
+log = logging.getLogger("weightd.service")
+
+DEFAULT_CHUNK_BYTES: Final = 1 << 20  # fastest measured here (PERFORMANCE.md)
+MAX_CHUNK_BYTES: Final = 4 << 20
+MIN_CHUNK_BYTES: Final = 4 << 10
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def _abort(context: grpc.ServicerContext, error: BaseException, method: str) -> None:
+    code, detail = status_for(error)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=error)
+    context.abort(code, detail)
+
+
+def unary(
+    fn: Callable[[WeightsService, Req, grpc.ServicerContext], Resp],
+) -> Callable[[WeightsService, Req, grpc.ServicerContext], Resp]:
+    @functools.wraps(fn)
+    def wrapper(self: WeightsService, request: Req, context: grpc.ServicerContext) -> Resp:
+        try:
+            return fn(self, request, context)
+        except Exception as exc:
+            _abort(context, exc, fn.__name__)
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+class WeightsService(pb_grpc.WeightsServicer):
+    def __init__(self, registry: ModelRegistry, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.registry = registry
+        self.chunk_bytes = chunk_bytes
+
+    @unary
+    def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.ServicerContext
+    ) -> pb.ListModelsResponse:
+        loaded = {m.name: m for m in self.registry.models()}
+        out = pb.ListModelsResponse()
+        for name in self.registry.names():
+            m = loaded.get(name)
+            if m is None:
+                out.models.add(name=name, ready=False)
+                continue
+            out.models.add(
+                name=name,
+                architecture=m.checkpoint.architecture,
+                total_bytes=m.checkpoint.total_bytes,
+                num_tensors=len(m.checkpoint.tensors),
+                ready=self.registry.is_ready(name),
+            )
+        return out
+
+    @unary
+    def DescribeModel(
+        self, request: pb.DescribeModelRequest, context: grpc.ServicerContext
+    ) -> pb.ModelDescription:
+        m = self.registry.get(request.model)
+        ckpt = m.checkpoint
+        out = pb.ModelDescription(
+            name=ckpt.name,
+            architecture=ckpt.architecture,
+            config_json=ckpt.config_json,
+            total_bytes=ckpt.total_bytes,
+        )
+        for t in ckpt.tensors.values():
+            out.tensors.add(
+                name=t.name,
+                dtype=t.dtype,
+                shape=t.shape,
+                shard=t.shard,
+                nbytes=t.nbytes,
+                digest=m.tensor_digests[t.name],
+            )
+        return out
+
+    def Fetch(
+        self, request: pb.FetchRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.FetchResponse]:
+        model: LoadedModel | None = None
+        try:
+            model = self.registry.get(request.model)
+            plan = model.plan(request.layout.tp_size, request.layout.tp_rank, tuple(request.names))
+            chunk = request.max_chunk_bytes or self.chunk_bytes
+            chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, chunk))
+            yield from self._stream(model, plan, chunk, context)
+        except Exception as exc:
+            if isinstance(exc, DataIntegrityError) and model is not None:
+                self.registry.mark_broken(model, str(exc))
+            if not isinstance(exc, WeightdError) and not context.is_active():
+                return  # the client went away mid-stream; nothing to report to anyone
+            _abort(context, exc, "Fetch")
+
+    def _anchor(self, model: LoadedModel, s: TensorSlice, plan: RankPlan) -> str:
+        tensor = model.checkpoint.tensors[s.name]
+        if s.replicated:
+            return model.anchors.get(tensor, 1, 0, lambda: [s.pattern])
+
+        def every_rank() -> list[TensorSlice]:
+            return [
+                plan_rank(model.checkpoint, model.rules, plan.world_size, r, (s.name,)).slices[0]
+                for r in range(plan.world_size)
+            ]
+
+        return model.anchors.get(
+            tensor, plan.world_size, plan.rank, lambda: [x.pattern for x in every_rank()]
+        )
+
+    def _stream(
+        self, model: LoadedModel, plan: RankPlan, chunk: int, context: grpc.ServicerContext
+    ) -> Iterator[pb.FetchResponse]:
+        pending: list[pb.TensorChunk] = []
+        pending_bytes = 0
+        for index, s in enumerate(plan.slices):
+            if not context.is_active():
+                return
+            anchored = self._anchor(model, s, plan)
+            header = pb.SliceHeader(
+                name=s.name,
+                dtype=s.dtype,
+                shape=s.shape,
+                nbytes=s.nbytes,
+                split_dim=s.split_dim,
+                replicated=s.replicated,
+            )
+            hasher = hashlib.sha256()
+            offset = 0
+            pieces: Iterator[bytes] = model.store.iter_pattern(s.shard, s.pattern, chunk)
+            if s.nbytes == 0:
+                pieces = iter([b""])
+            for data in pieces:
+                hasher.update(data)
+                piece = pb.TensorChunk(index=index, offset=offset, data=data)
+                if offset == 0:
+                    piece.header.CopyFrom(header)
+                offset += len(data)
+                if offset == s.nbytes:
+                    actual = slice_digest(hasher)
+                    if actual != anchored:
+                        raise DataIntegrityError(
+                            f"tensor {s.name!r} in shard {s.shard}: slice bytes read now hash to "
+                            f"{actual}, the verified slice to {anchored}"
+                        )
+                    piece.digest = anchored
+                if pending and pending_bytes + len(data) > chunk:
+                    yield pb.FetchResponse(chunks=pending)
+                    pending, pending_bytes = [], 0
+                pending.append(piece)
+                pending_bytes += len(data)
+        yield pb.FetchResponse(
+            chunks=pending,
+            done=pb.FetchDone(num_tensors=len(plan.slices), total_bytes=plan.nbytes),
+        )

@@ -1,0 +1,183 @@
+"""The shard store: one open descriptor per shard file, and every read of tensor bytes.
+
+How a changed file is kept from crashing the daemon: tensor bytes are only ever read
+with ``pread``/``preadv`` on descriptors opened at load time, never by touching a
+file mapping. A file truncated under us therefore gives a short read (an error we
+raise as DATA_LOSS), not SIGBUS. A file replaced by rename leaves our descriptor on
+the old inode, so we keep serving the verified bytes. A file rewritten in place
+changes its ctime, which :meth:`ShardStore.check` compares after every read, and its
+bytes no longer hash to the verified digests, which the service checks per slice.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final
+
+from .errors import DataIntegrityError
+from .paths import open_regular_file
+from .runs import RunPattern
+
+#: Gaps between wanted segments up to this size are read into a scratch buffer so a
+#: batch of rows costs one ``preadv`` (copying 64 KiB costs about what a syscall does).
+MAX_GAP_BYTES: Final = 64 << 10
+_IOV_MAX: Final = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class FileIdentity:
+    """What ``fstat`` says about a file; any change means the bytes may have changed."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenShard:
+    name: str
+    path: str
+    fd: int
+    identity: FileIdentity
+
+
+class ShardStore:
+    """Owns the descriptors of one model's shards; thread-safe for concurrent reads."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._shards: dict[str, OpenShard] = {}
+        self._scratch = bytearray(MAX_GAP_BYTES)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def open(self, name: str) -> OpenShard:
+        with self._lock:
+            if name in self._shards:
+                return self._shards[name]
+            fd, st = open_regular_file(self.root, name)
+            shard = OpenShard(name, os.path.join(self.root, name), fd, FileIdentity.of(st))
+            self._shards[name] = shard
+            return shard
+
+    def shard(self, name: str) -> OpenShard:
+        return self._shards[name]
+
+    @property
+    def shards(self) -> dict[str, OpenShard]:
+        return dict(self._shards)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for shard in self._shards.values():
+                os.close(shard.fd)
+
+    # --- integrity -----------------------------------------------------------------
+
+    def check(self, name: str) -> None:
+        """Raise DataIntegrityError when the shard is no longer the file we verified."""
+        shard = self._shards[name]
+        now = FileIdentity.of(os.fstat(shard.fd))
+        if now != shard.identity:
+            was = shard.identity
+            if now.size != was.size:
+                what = f"size changed from {was.size} to {now.size} bytes"
+            else:
+                what = "it was modified in place (ctime/mtime changed)"
+            raise DataIntegrityError(f"shard {shard.path} changed since it was verified: {what}")
+
+    def _short(self, shard: OpenShard, offset: int, want: int, got: int) -> DataIntegrityError:
+        size = os.fstat(shard.fd).st_size
+        return DataIntegrityError(
+            f"shard {shard.path}: short read at offset {offset} ({got} of {want} bytes); "
+            f"the file is {size} bytes now, {shard.identity.size} when verified"
+        )
+
+    # --- reads ----------------------------------------------------------------------
+
+    def read_exact(self, name: str, offset: int, n: int) -> bytes:
+        shard = self._shards[name]
+        data = os.pread(shard.fd, n, offset)
+        if len(data) != n:
+            raise self._short(shard, offset, n, len(data))
+        return data
+
+    def read_into(self, name: str, offset: int, dst: memoryview) -> None:
+        shard = self._shards[name]
+        got = os.preadv(shard.fd, [dst], offset)
+        if got != len(dst):
+            raise self._short(shard, offset, len(dst), got)
+
+    def iter_pattern(self, name: str, pattern: RunPattern, max_bytes: int) -> Iterator[bytes]:
+        """Yield the pattern's bytes in output order, in pieces of at most ``max_bytes``.
+
+        The shard's identity is checked after every piece, so a piece is only handed
+        out if the file was unchanged while it was read.
+        """
+        rb = pattern.row_bytes
+        if pattern.count == 1 or rb >= max_bytes:
+            for i in range(pattern.count):
+                row = pattern.base + i * pattern.stride
+                for off, length in pattern.segments:
+                    pos = 0
+                    while pos < length:
+                        n = min(max_bytes, length - pos)
+                        data = self.read_exact(name, row + off + pos, n)
+                        self.check(name)
+                        yield data
+                        pos += n
+            return
+        rows_per_piece = max(1, max_bytes // rb)
+        for lo in range(0, pattern.count, rows_per_piece):
+            hi = min(pattern.count, lo + rows_per_piece)
+            buf = bytearray((hi - lo) * rb)
+            self._read_rows(name, pattern, lo, hi, memoryview(buf))
+            self.check(name)
+            yield bytes(buf)
+
+    def _read_rows(self, name: str, p: RunPattern, lo: int, hi: int, dst: memoryview) -> None:
+        """Read rows ``lo..hi`` of ``p`` into ``dst`` with as few ``preadv`` calls as fit."""
+        shard = self._shards[name]
+        scratch = memoryview(self._scratch)
+        iov: list[memoryview] = []
+        start = -1  # file offset where the pending iov list begins
+        cursor = 0  # file offset just past the pending iov list
+        out = 0  # bytes of dst filled so far
+
+        def flush() -> None:
+            if not iov:
+                return
+            total = sum(len(v) for v in iov)
+            got = os.preadv(shard.fd, iov, start)
+            if got != total:
+                raise self._short(shard, start, total, got)
+            iov.clear()
+
+        for i in range(lo, hi):
+            row = p.base + i * p.stride
+            for off, length in p.segments:
+                if not length:
+                    continue
+                pos = row + off
+                gap = pos - cursor
+                if not iov or gap > MAX_GAP_BYTES or len(iov) >= _IOV_MAX - 2:
+                    flush()
+                    start = pos
+                elif gap:
+                    iov.append(scratch[:gap])
+                iov.append(dst[out : out + length])
+                out += length
+                cursor = pos + length
+        flush()
