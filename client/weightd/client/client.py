@@ -23,12 +23,13 @@ from typing import Any
 
 import grpc
 import torch
+
 from weightd.common.digests import slice_digest
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .dtypes import torch_dtype
-from .errors import DataLossError, WeightdError, from_rpc_error
+from .errors import DataLossError, InvalidArgumentError, WeightdError, from_rpc_error
 
 #: Largest message the client accepts: the daemon caps tensor payload at 4 MiB per
 #: message; the rest is headroom for headers of many small tensors sharing a message.
@@ -193,6 +194,11 @@ class WeightClient:
         Raises a :class:`~weightd.client.errors.WeightdError` subclass carrying the
         daemon's status code and detail; a partial result is never returned.
         """
+        if world_size < 1 or not 0 <= rank < world_size:
+            # Checked here too: a negative number cannot even be encoded as uint32.
+            raise InvalidArgumentError(
+                f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
+            )
         request = pb.FetchRequest(
             model=model or "",
             layout=pb.Layout(tp_size=world_size, tp_rank=rank),

@@ -73,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=None)
     d.add_argument("--json", action="store_true")
 
+    h = sub.add_parser("health", help="exit 0 when the daemon reports SERVING (gRPC health)")
+    h.add_argument("target")
+    h.add_argument("--service", default="", help="'' overall, or weightd.v1.Weights/MODEL")
+    h.add_argument("--wait", type=float, default=0.0, help="keep polling up to this many seconds")
+
     demo = sub.add_parser(
         "demo-checkpoint", help="create (if needed) and print the demo checkpoint"
     )
@@ -109,6 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _fetch(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
+
     from weightd.client import WeightClient
 
     with WeightClient(args.target, timeout=args.timeout) as client:
@@ -161,6 +167,34 @@ def _describe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    deadline = time.monotonic() + args.wait
+    status = "UNREACHABLE"
+    with grpc.insecure_channel(args.target) as channel:
+        # Called by method path: the typeshed stub of HealthStub lacks its methods.
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        while True:
+            try:
+                reply = check(health_pb2.HealthCheckRequest(service=args.service), timeout=2)
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                status = f"UNREACHABLE ({exc.code().name})"
+            if status == "SERVING" or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+    print(f"{args.target} {args.service or '(overall)'}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
@@ -179,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _list(args)
         if args.command == "describe":
             return _describe(args)
+        if args.command == "health":
+            return _health(args)
         print(_demo_path(args))
         return 0
     except (WeightdError, ClientError) as exc:

@@ -13,6 +13,7 @@ from typing import IO
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .errors import WeightdError

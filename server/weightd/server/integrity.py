@@ -21,6 +21,7 @@ from typing import Final
 
 import blake3
 import numpy as np
+
 from weightd.common.digests import format_digest, slice_digest
 
 from .checkpoint import Checkpoint, TensorInfo

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Final, TypeVar
 
 import grpc
+
 from weightd.common.digests import slice_digest
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc

@@ -165,7 +165,7 @@ class RankPlan:
 
 def check_layout(world_size: int, rank: int) -> None:
     if world_size < 1:
-        raise InvalidRequest(f"world_size must be at least 1, got {world_size}")
+        raise InvalidRequest(f"world_size {world_size} is invalid: it must be at least 1")
     if not 0 <= rank < world_size:
         raise InvalidRequest(
             f"rank {rank} is outside world_size {world_size} (valid: 0..{world_size - 1})"
