@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from .errors import CheckpointError, ConfigError, IndexFileError, UnsafePathError
-from .paths import check_relative_name
+from .paths import check_relative_name, open_regular_file
 from .safetensors_header import Header, header_length, parse_header
 from .store import ShardStore
 
@@ -179,14 +179,32 @@ def describe(
 
 
 def _read_small(root: str, name: str, error: type[CheckpointError]) -> bytes:
+    """Read a small JSON file of the model: confined to the root, regular, size-capped.
+
+    Opened like a shard (no link leaving the root, no FIFO or device), so a planted
+    ``config.json`` can neither hang the loader nor leak a file from elsewhere through
+    DescribeModel.
+    """
     path = os.path.join(root, name)
+    if not os.path.lexists(path):
+        raise error(path, "file does not exist")
+    fd, st = open_regular_file(root, name)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_JSON_BYTES + 1)
-    except FileNotFoundError:
-        raise error(path, "file does not exist") from None
+        if st.st_size > MAX_JSON_BYTES:
+            raise error(path, f"is {st.st_size} bytes, over the {MAX_JSON_BYTES}-byte limit")
+        chunks = []
+        remaining = MAX_JSON_BYTES + 1
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
     except OSError as exc:
         raise error(path, f"cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
     if len(raw) > MAX_JSON_BYTES:
         raise error(path, f"larger than the {MAX_JSON_BYTES}-byte limit")
     return raw

@@ -47,24 +47,30 @@ def block_pattern(
     """The pattern of ``cat([t.narrow(dim, a, b - a) for a, b in blocks], dim)``.
 
     ``t`` has ``shape`` and starts at file offset ``base``. Blocks must be ascending
-    and disjoint. The caller (the planner) guarantees that each block boundary falls on
-    a whole byte; this function re-checks it and raises ValueError otherwise.
+    and disjoint, and (for sub-byte dtypes) every block must start and end on a whole
+    byte; otherwise ValueError, which the planner reports naming the tensor.
     """
     if not 0 <= dim < len(shape):
         raise ValueError(f"dim {dim} out of range for shape {tuple(shape)}")
     outer = math.prod(shape[:dim])
     inner_bits = math.prod(shape[dim + 1 :]) * itemsize_bits
-    if inner_bits % 8:
-        raise ValueError(f"splitting dim {dim} of {tuple(shape)} cuts through a byte")
-    inner = inner_bits // 8
-    stride = shape[dim] * inner
+    stride_bits = shape[dim] * inner_bits
+    if stride_bits % 8:
+        raise ValueError(f"rows of dim {dim} of {tuple(shape)} do not start on whole bytes")
+    stride = stride_bits // 8
     segments: list[tuple[int, int]] = []
     cursor = 0
     for start, stop in blocks:
         if not cursor <= start <= stop <= shape[dim]:
             raise ValueError(f"blocks {list(blocks)} are not ascending within 0..{shape[dim]}")
         cursor = stop
-        off, length = start * inner, (stop - start) * inner
+        off_bits, len_bits = start * inner_bits, (stop - start) * inner_bits
+        if off_bits % 8 or len_bits % 8:
+            raise ValueError(
+                f"block {start}:{stop} of dim {dim} of {tuple(shape)} cuts through a byte "
+                f"({itemsize_bits}-bit elements)"
+            )
+        off, length = off_bits // 8, len_bits // 8
         if segments and segments[-1][0] + segments[-1][1] == off:
             segments[-1] = (segments[-1][0], segments[-1][1] + length)
         else:

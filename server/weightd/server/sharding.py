@@ -246,7 +246,13 @@ def slice_tensor(
         start = rank * per
     shape = list(t.shape)
     shape[dim] = per
-    pattern = block_pattern(t.offset, t.shape, bits, dim, [(start, start + per)])
+    try:
+        pattern = block_pattern(t.offset, t.shape, bits, dim, [(start, start + per)])
+    except ValueError as exc:
+        raise ShardingError(
+            f"tensor {t.name!r} ({t.dtype} {list(t.shape)}) cannot be split for world_size "
+            f"{world_size}: {exc}"
+        ) from None
     return TensorSlice(t.name, t.dtype, t.shape, tuple(shape), t.shard, dim, False, pattern)
 
 

@@ -5,7 +5,7 @@ with ``pread``/``preadv`` on descriptors opened at load time, never by touching 
 file mapping. A file truncated under us therefore gives a short read (an error we
 raise as DATA_LOSS), not SIGBUS. A file replaced by rename leaves our descriptor on
 the old inode, so we keep serving the verified bytes. A file rewritten in place
-changes its ctime, which :meth:`ShardStore.check` compares after every read, and its
+changes its mtime, which :meth:`ShardStore.check` compares after every read, and its
 bytes no longer hash to the verified digests, which the service checks per slice.
 """
 
@@ -29,7 +29,14 @@ _IOV_MAX: Final = 1024
 
 @dataclass(frozen=True, slots=True)
 class FileIdentity:
-    """What ``fstat`` says about a file; any change means the bytes may have changed."""
+    """What ``fstat`` says about a file at verification time.
+
+    ``ctime`` is recorded but not compared: it also moves when nothing about the bytes
+    changed (a rename over the path or an unlink drops the link count; a chmod), and the
+    daemon must keep serving its verified inode then. A write changes ``mtime``; a write
+    whose mtime was forged back is still caught, by the per-slice digest comparison
+    every served byte goes through.
+    """
 
     dev: int
     ino: int
@@ -90,12 +97,12 @@ class ShardStore:
         """Raise DataIntegrityError when the shard is no longer the file we verified."""
         shard = self._shards[name]
         now = FileIdentity.of(os.fstat(shard.fd))
-        if now != shard.identity:
-            was = shard.identity
+        was = shard.identity
+        if (now.dev, now.ino, now.size, now.mtime_ns) != (was.dev, was.ino, was.size, was.mtime_ns):
             if now.size != was.size:
                 what = f"size changed from {was.size} to {now.size} bytes"
             else:
-                what = "it was modified in place (ctime/mtime changed)"
+                what = "it was modified in place (mtime changed)"
             raise DataIntegrityError(f"shard {shard.path} changed since it was verified: {what}")
 
     def _short(self, shard: OpenShard, offset: int, want: int, got: int) -> DataIntegrityError:

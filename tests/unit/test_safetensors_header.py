@@ -1,0 +1,444 @@
+"""Strict safetensors header parsing: golden files, real files and a malformed corpus."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from weightd.server.errors import CheckpointError, HeaderError
+from weightd.server.safetensors_header import (
+    MAX_HEADER_BYTES,
+    MAX_NAME_CHARS,
+    Header,
+    HeaderEntry,
+    header_length,
+    parse_header,
+)
+
+PATH = "/models/demo/model-00001-of-00002.safetensors"
+
+
+def parse_file(path: str, blob: bytes) -> Header:
+    """What the loader does (checkpoint.read_header), on the whole file's bytes."""
+    length = header_length(path, blob[:8], len(blob))
+    return parse_header(path, blob[8 : 8 + length], len(blob))
+
+
+def assemble(header: bytes, data: bytes = b"", *, declared: int | None = None) -> bytes:
+    """A file: little-endian u64 length, the header bytes, then the data section."""
+    length = len(header) if declared is None else declared
+    return struct.pack("<Q", length) + header + data
+
+
+def js(doc: Any) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def entry(dtype: str, shape: list[Any], begin: int, end: int) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+# --- golden ------------------------------------------------------------------------
+
+GOLDEN_HEADER = (
+    b'{"__metadata__":{"format":"pt","note":"golden"},'
+    b'"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},'
+    b'"b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]}}'
+)
+
+
+def golden_file() -> bytes:
+    header = GOLDEN_HEADER + b" " * (-len(GOLDEN_HEADER) % 8)  # pad like the writer does
+    data = np.arange(4, dtype="<f4").tobytes() + bytes([1, 2, 3, 4, 5, 6])
+    return struct.pack("<Q", len(header)) + header + data
+
+
+def test_golden_bytes_parse_to_exact_entries() -> None:
+    blob = golden_file()
+    assert len(GOLDEN_HEADER) == 160  # a multiple of 8: no padding needed
+    assert blob[:8] == b"\xa0\x00\x00\x00\x00\x00\x00\x00"
+    assert len(blob) == 8 + 160 + 22
+    header = parse_file(PATH, blob)
+    assert header.entries == (
+        HeaderEntry("w", "F32", (2, 2), 0, 16),
+        HeaderEntry("b", "BF16", (3,), 16, 22),
+    )
+    assert header.data_start == 168
+    assert header.metadata == {"format": "pt", "note": "golden"}
+    assert [e.nbytes for e in header.entries] == [16, 6]
+    w, b = header.entries
+    data = blob[header.data_start :]
+    assert np.frombuffer(data[w.begin : w.end], "<f4").tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert data[b.begin : b.end] == bytes([1, 2, 3, 4, 5, 6])
+
+
+def test_entries_are_returned_in_data_order_not_json_order() -> None:
+    doc = {"second": entry("U8", [4], 4, 8), "first": entry("F32", [1], 0, 4)}
+    header = parse_file(PATH, assemble(js(doc), bytes(8)))
+    assert [e.name for e in header.entries] == ["first", "second"]
+    assert header.metadata == {}
+
+
+def test_header_length_returns_the_prefix_value() -> None:
+    blob = golden_file()
+    assert header_length(PATH, blob[:8], len(blob)) == 160
+    # exactly at the end of the file is allowed (an empty data section)
+    assert header_length(PATH, struct.pack("<Q", 2), 10) == 2
+
+
+def _torch_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_file_written_by_safetensors_matches_safe_open(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(7)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(16, 8, generator=gen).to(torch.bfloat16),
+        "model.norm.weight": torch.randn(8, generator=gen),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=gen).half(),
+        "ids": torch.arange(5, dtype=torch.int64),
+        "flags": torch.tensor([1, 0, 1], dtype=torch.uint8),
+        "mask": torch.tensor([True, False]),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt", "source": "unit"})
+    blob = path.read_bytes()
+    header = parse_file(str(path), blob)
+
+    with safe_open(str(path), "pt") as f:
+        keys = list(f.keys())
+        assert sorted(e.name for e in header.entries) == sorted(keys)
+        assert header.metadata == f.metadata()
+        by_name = {e.name: e for e in header.entries}
+        for name in keys:
+            sl = f.get_slice(name)
+            e = by_name[name]
+            assert e.dtype == sl.get_dtype(), name
+            assert list(e.shape) == sl.get_shape(), name
+            got = blob[header.data_start + e.begin : header.data_start + e.end]
+            assert got == _torch_bytes(f.get_tensor(name)), name
+    # the entries tile the data section exactly
+    ends = [0] + [e.end for e in header.entries]
+    assert [e.begin for e in header.entries] == ends[:-1]
+    assert header.data_start + header.entries[-1].end == len(blob)
+
+
+def test_zero_size_and_scalar_tensors_parse() -> None:
+    doc = {
+        "s": entry("F64", [], 0, 8),
+        "a": entry("F32", [1], 8, 12),
+        "z": entry("F32", [0, 4], 12, 12),
+        "z2": entry("BF16", [3, 0, 2], 12, 12),
+        "z0": entry("I64", [0], 0, 0),
+    }
+    header = parse_file(PATH, assemble(js(doc), bytes(12)))
+    by_name = {e.name: e for e in header.entries}
+    assert by_name["s"] == HeaderEntry("s", "F64", (), 0, 8)
+    assert by_name["z"] == HeaderEntry("z", "F32", (0, 4), 12, 12)
+    assert by_name["z2"] == HeaderEntry("z2", "BF16", (3, 0, 2), 12, 12)
+    assert by_name["z0"] == HeaderEntry("z0", "I64", (0,), 0, 0)
+    assert by_name["z"].nbytes == 0
+    assert header.entries[-1].end == 12
+
+
+def test_file_with_only_zero_size_tensors_and_no_data() -> None:
+    header = parse_file(PATH, assemble(js({"z": entry("F32", [0], 0, 0)})))
+    assert header.entries == (HeaderEntry("z", "F32", (0,), 0, 0),)
+
+
+def test_sub_byte_dtype_filling_whole_bytes_is_accepted() -> None:
+    header = parse_file(PATH, assemble(js({"p": entry("F4", [2, 3], 0, 3)}), bytes(3)))
+    assert header.entries[0].nbytes == 3
+
+
+def test_header_padded_with_trailing_spaces_is_accepted() -> None:
+    raw = js({"a": entry("U8", [2], 0, 2)}) + b"        "
+    header = parse_file(PATH, assemble(raw, b"xy"))
+    assert header.data_start == 8 + len(raw)
+
+
+# --- malformed corpus ----------------------------------------------------------------
+
+
+def _case(id_: str, blob: bytes, *needles: str) -> Any:
+    return pytest.param(blob, needles, id=id_)
+
+
+def _doc_file(doc: Any, data_len: int) -> bytes:
+    return assemble(js(doc), bytes(data_len))
+
+
+def _raw_file(text: str, data_len: int = 0) -> bytes:
+    return assemble(text.encode(), bytes(data_len))
+
+
+A4 = entry("F32", [1], 0, 4)
+LONG_NAME = "x" * (MAX_NAME_CHARS + 1)
+
+MALFORMED = [
+    _case("shorter-than-8-bytes", b"\x05\x00\x00", "3 bytes", "8-byte header length"),
+    _case("empty-file", b"", "0 bytes"),
+    _case(
+        "header-length-above-cap",
+        struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}",
+        f"header length {MAX_HEADER_BYTES + 1}",
+        "limit",
+    ),
+    _case(
+        "header-length-huge",
+        struct.pack("<Q", 2**64 - 1) + b"{}",
+        f"header length {2**64 - 1}",
+    ),
+    _case(
+        "header-length-past-eof",
+        assemble(b"{}", declared=100),
+        "header length 100",
+        "10-byte file",
+    ),
+    _case("not-utf8", assemble(b'{"caf\xe9": 1}'), "not UTF-8", "byte 5"),
+    _case("not-json", _raw_file('{"a": {"dtype": "F32",'), "not valid JSON"),
+    _case("json-array", _raw_file("[1, 2]"), "must be a JSON object", "list"),
+    _case("json-string", _raw_file('"a"'), "must be a JSON object", "str"),
+    _case(
+        "duplicate-tensor-key",
+        _raw_file(
+            '{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},'
+            ' "w": {"dtype": "I32", "shape": [1], "data_offsets": [0, 4]}}',
+            4,
+        ),
+        "duplicate key 'w'",
+    ),
+    _case(
+        "duplicate-key-inside-entry",
+        _raw_file('{"w": {"dtype": "F32", "dtype": "I32", "shape": [1], "data_offsets": [0, 4]}}'),
+        "duplicate key 'dtype'",
+    ),
+    _case(
+        "duplicate-metadata-key",
+        _raw_file('{"__metadata__": {"a": "1"}, "__metadata__": {"a": "2"}}'),
+        "duplicate key '__metadata__'",
+    ),
+    _case(
+        "nan-in-shape",
+        _raw_file('{"w": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}', 4),
+        "NaN",
+    ),
+    _case(
+        "infinity-in-offsets",
+        _raw_file('{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, Infinity]}}', 4),
+        "Infinity",
+    ),
+    _case(
+        "negative-infinity-in-metadata",
+        _raw_file('{"__metadata__": {"x": -Infinity}}'),
+        "-Infinity",
+    ),
+    _case("empty-name", _doc_file({"": A4}, 4), "empty tensor name"),
+    _case("nul-in-name", _doc_file({"a\x00b": A4}, 4), "'a\\x00b'", "control character"),
+    _case("c0-control-in-name", _doc_file({"a\x1fb": A4}, 4), "'a\\x1fb'", "control character"),
+    _case("del-in-name", _doc_file({"a\x7f": A4}, 4), "control character"),
+    _case("zero-width-space-in-name", _doc_file({"a\u200bb": A4}, 4), "control character"),
+    _case("line-separator-in-name", _doc_file({"a\u2028b": A4}, 4), "control character"),
+    _case(
+        "lone-surrogate-in-name",
+        _raw_file('{"a\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', 4),
+        "control character",
+    ),
+    _case("over-long-name", _doc_file({LONG_NAME: A4}, 4), f"{MAX_NAME_CHARS + 1} characters"),
+    _case("unknown-dtype", _doc_file({"w": entry("F128", [1], 0, 16)}, 16), "'w'", "'F128'"),
+    _case("lowercase-dtype", _doc_file({"w": entry("f32", [1], 0, 4)}, 4), "'w'", "'f32'"),
+    _case("non-string-dtype", _doc_file({"w": entry(32, [1], 0, 4)}, 4), "'w'", "dtype 32"),
+    _case("negative-dim", _doc_file({"w": entry("F32", [2, -1], 0, 0)}, 0), "'w'", "negative"),
+    _case("float-dim", _doc_file({"w": entry("F32", [2.0], 0, 8)}, 8), "'w'", "shape", "2.0"),
+    _case("bool-dim", _doc_file({"w": entry("F32", [True], 0, 4)}, 4), "'w'", "shape", "True"),
+    _case("string-dim", _doc_file({"w": entry("F32", ["2"], 0, 8)}, 8), "'w'", "shape", "'2'"),
+    _case(
+        "shape-not-a-list",
+        _doc_file({"w": {"dtype": "F32", "shape": 4, "data_offsets": [0, 16]}}, 16),
+        "'w'",
+        "shape",
+    ),
+    _case(
+        "shape-overflows",
+        _doc_file({"w": entry("F32", [2**40, 2**40], 0, 4)}, 4),
+        "'w'",
+        "overflows",
+    ),
+    _case(
+        "offsets-length-3",
+        _doc_file({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, 4),
+        "'w'",
+        "data_offsets must be [begin, end]",
+    ),
+    _case(
+        "offsets-length-1",
+        _doc_file({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4]}}, 4),
+        "'w'",
+        "data_offsets",
+    ),
+    _case(
+        "float-offset",
+        _doc_file({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4.0]}}, 4),
+        "'w'",
+        "data_offsets must be a list of integers",
+    ),
+    _case(
+        "end-before-begin",
+        _doc_file({"w": entry("F32", [0], 8, 4)}, 8),
+        "'w'",
+        "[8, 4]",
+        "begin <= end",
+    ),
+    _case(
+        "negative-begin",
+        _doc_file({"w": entry("F32", [1], -4, 0)}, 4),
+        "'w'",
+        "[-4, 0]",
+    ),
+    _case(
+        "byte-size-mismatch",
+        _doc_file({"w": entry("F32", [3], 0, 8)}, 8),
+        "'w'",
+        "span 8 bytes",
+        "expected 12",
+    ),
+    _case(
+        "sub-byte-partial",
+        _doc_file({"w": entry("F4", [3], 0, 2)}, 2),
+        "'w'",
+        "whole number of bytes",
+    ),
+    _case(
+        "gap-between-tensors",
+        _doc_file({"a": entry("F32", [1], 0, 4), "b": entry("F32", [1], 8, 12)}, 12),
+        "'b'",
+        "tensor 'a' ends at 4",
+        "a gap",
+    ),
+    _case(
+        "gap-at-start",
+        _doc_file({"a": entry("F32", [1], 4, 8)}, 8),
+        "'a'",
+        "the start of the data section",
+        "a gap",
+    ),
+    _case(
+        "overlap",
+        _doc_file({"a": entry("F32", [2], 0, 8), "b": entry("F32", [1], 4, 8)}, 8),
+        "'b'",
+        "tensor 'a' ends at 8",
+        "an overlap",
+    ),
+    _case(
+        "same-offsets-twice",
+        _doc_file({"a": entry("F32", [1], 0, 4), "b": entry("F32", [1], 0, 4)}, 4),
+        "an overlap",
+    ),
+    _case(
+        "trailing-bytes",
+        _doc_file({"a": entry("F32", [1], 0, 4)}, 7),
+        "3 trailing bytes",
+        "data offset 4",
+    ),
+    _case(
+        "trailing-bytes-without-tensors",
+        _doc_file({}, 1),
+        "1 trailing bytes",
+    ),
+    _case(
+        "truncated-data",
+        _doc_file({"a": entry("F32", [1], 0, 4), "b": entry("F32", [2], 4, 12)}, 10),
+        "truncated",
+        "need 12 bytes",
+        "holds 10",
+    ),
+    _case(
+        "non-string-metadata-value",
+        _doc_file({"__metadata__": {"format": "pt", "step": 3}}, 0),
+        "__metadata__['step']",
+        "int",
+    ),
+    _case(
+        "metadata-not-object",
+        _doc_file({"__metadata__": ["pt"]}, 0),
+        "__metadata__",
+    ),
+    _case(
+        "misaligned-f32",
+        _doc_file({"u": entry("U8", [2], 0, 2), "w": entry("F32", [1], 2, 6)}, 6),
+        "'w'",
+        "offset 2",
+        "4-byte",
+    ),
+    _case(
+        "misaligned-bf16",
+        _doc_file({"u": entry("U8", [1], 0, 1), "h": entry("BF16", [1], 1, 3)}, 3),
+        "'h'",
+        "offset 1",
+        "2-byte",
+    ),
+    _case(
+        "unknown-extra-field",
+        _doc_file({"w": {**A4, "offsets": [0, 4]}}, 4),
+        "'w'",
+        "unknown field 'offsets'",
+    ),
+    _case(
+        "missing-dtype",
+        _doc_file({"w": {"shape": [1], "data_offsets": [0, 4]}}, 4),
+        "'w'",
+        "missing field 'dtype'",
+    ),
+    _case(
+        "missing-data-offsets",
+        _doc_file({"w": {"dtype": "F32", "shape": [1]}}, 4),
+        "'w'",
+        "missing field 'data_offsets'",
+    ),
+    _case(
+        "entry-not-object",
+        _doc_file({"w": [0, 4]}, 4),
+        "'w'",
+        "entry must be an object",
+    ),
+    _case("empty-header", _raw_file(""), "not valid JSON"),
+    _case("deep-nesting", _raw_file("[" * 100_000 + "]" * 100_000), "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize(("blob", "needles"), MALFORMED)
+def test_malformed_header_is_rejected(blob: bytes, needles: tuple[str, ...]) -> None:
+    with pytest.raises(HeaderError) as info:
+        parse_file(PATH, blob)
+    err = info.value
+    assert isinstance(err, CheckpointError)
+    assert err.path == PATH
+    assert str(err).startswith(f"{PATH}: ")
+    for needle in needles:
+        assert needle in str(err), (needle, str(err))
+
+
+def test_name_at_the_length_limit_is_accepted() -> None:
+    name = "n" * MAX_NAME_CHARS
+    header = parse_file(PATH, _doc_file({name: A4}, 4))
+    assert header.entries[0].name == name
+
+
+def test_non_ascii_printable_name_is_accepted() -> None:
+    header = parse_file(PATH, _doc_file({"modèle.权重": A4}, 4))
+    assert header.entries[0].name == "modèle.权重"
+
+
+def test_header_length_exactly_at_cap_passes_the_cap_check() -> None:
+    size = 8 + MAX_HEADER_BYTES
+    assert header_length(PATH, struct.pack("<Q", MAX_HEADER_BYTES), size) == MAX_HEADER_BYTES
