@@ -1,0 +1,1 @@
+"""weightd benchmarks: peers side by side in one run, reported as ratios."""

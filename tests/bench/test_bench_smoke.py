@@ -1,0 +1,54 @@
+"""Keeps the benchmark working: a tiny run end to end (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e
+def test_bench_smoke_run_produces_table_json_and_chart(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "--smoke",
+            "--size-gb",
+            "0.01",
+            "--rounds",
+            "1",
+            "--world-sizes",
+            "2",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "all 5 cases deliver identical slices" in done.stdout
+    (run,) = (tmp_path / "out").iterdir()
+    result = json.loads((run / "results.json").read_text())
+    cases = {(r["case"], r["cache"]) for r in result["rows"]}
+    for case in (
+        "read-everything",
+        "lazy-mmap",
+        "best-local",
+        "weightd-grpc-unix",
+        "weightd-grpc-tcp",
+    ):
+        assert (case, "first") in cases
+    assert all(r["payload_bytes"] > 0 for r in result["rows"])
+    assert (run / "chart.png").stat().st_size > 1000
+    assert "Ratios" in (run / "results.md").read_text()
