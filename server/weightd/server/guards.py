@@ -187,12 +187,14 @@ class StreamWatchdog:
 
     A handler blocked in ``yield`` (the client stopped reading; flow control holds the
     send) cannot check a clock, so one thread watches every stream's deadline and
-    cancels the call when it passes. Streams that keep moving are stopped earlier
-    and more politely by :class:`FetchGuard` with DEADLINE_EXCEEDED and a reason.
+    cancels the call ``slack_seconds`` after the cap. Streams that keep moving are
+    stopped at the cap itself, more politely, by :class:`FetchGuard` with
+    DEADLINE_EXCEEDED and a reason; the slack leaves that path its chance first.
     """
 
-    def __init__(self, max_seconds: float) -> None:
+    def __init__(self, max_seconds: float, slack_seconds: float = 5.0) -> None:
         self.max_seconds = max_seconds
+        self.slack_seconds = slack_seconds
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int]] = []
         self._live: dict[int, tuple[grpc.ServicerContext, str]] = {}
@@ -204,7 +206,8 @@ class StreamWatchdog:
         token = next(self._ids)
         with self._cond:
             self._live[token] = (context, what)
-            heapq.heappush(self._heap, (time.monotonic() + self.max_seconds, token))
+            deadline = time.monotonic() + self.max_seconds + self.slack_seconds
+            heapq.heappush(self._heap, (deadline, token))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="weightd-stream-watchdog", daemon=True
