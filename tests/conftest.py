@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -35,9 +36,18 @@ class RunningDaemon:
 
 
 def listening_address(log: str, listener: str) -> str | None:
-    """The address of ``listener`` from the daemon's ``listening`` lifecycle event."""
-    m = re.search(rf"listening listener={listener} address=(\S+)", log)
-    return m.group(1) if m else None
+    """The address of ``listener`` from the daemon's ``listening`` lifecycle event
+    (text lines, or JSON lines with ``--log-json``)."""
+    for line in log.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if record.get("event") == "listening" and record.get("listener") == listener:
+                return str(record["address"])
+            continue
+        m = re.search(rf"listening listener={listener} address=(\S+)", line)
+        if m:
+            return m.group(1)
+    return None
 
 
 def wait_serving(

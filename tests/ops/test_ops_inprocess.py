@@ -93,8 +93,11 @@ def test_admin_only_on_the_admin_listener_and_reload_swaps_only_on_success(
         assert os.stat(os.path.dirname(daemon.admin_address.path)).st_mode & 0o777 == 0o700
 
         # Admin on the worker listener: refused, with the reason.
-        with AdminClient(daemon.target, timeout=30) as wrong, pytest.raises(
-            PermissionDeniedError, match="served only on the daemon's admin listener"
+        with (
+            AdminClient(daemon.target, timeout=30) as wrong,
+            pytest.raises(
+                PermissionDeniedError, match="served only on the daemon's admin listener"
+            ),
         ):
             wrong.reload("llama")
         assert (
@@ -108,7 +111,10 @@ def test_admin_only_on_the_admin_listener_and_reload_swaps_only_on_success(
         with AdminClient(admin_target, timeout=60) as admin:
             result = admin.reload("llama")
             assert result.model == "llama" and result.num_tensors > 0
-            assert reg.get_sample_value("weightd_reloads_total", {"model": "llama", "outcome": "ok"}) == 1
+            assert (
+                reg.get_sample_value("weightd_reloads_total", {"model": "llama", "outcome": "ok"})
+                == 1
+            )
 
             (model / "config.json").write_text("{broken")
             with pytest.raises(FailedPreconditionError, match="not valid JSON"):
@@ -117,7 +123,10 @@ def test_admin_only_on_the_admin_listener_and_reload_swaps_only_on_success(
                 admin.reload("other")
         labels = {"model": "llama", "reason": "config"}
         assert reg.get_sample_value("weightd_verification_failures_total", labels) == 1
-        assert reg.get_sample_value("weightd_reloads_total", {"model": "llama", "outcome": "failed"}) == 1
+        assert (
+            reg.get_sample_value("weightd_reloads_total", {"model": "llama", "outcome": "failed"})
+            == 1
+        )
         # The verified version still serves.
         with WeightClient(daemon.target, timeout=60) as client:
             assert len(client.fetch(1, 2)) > 0
@@ -161,9 +170,10 @@ def test_bounds_answer_resource_exhausted(tmp_path: Path, big_model: Path) -> No
 
 
 def test_stream_time_cap_answers_deadline_exceeded(tmp_path: Path, big_model: Path) -> None:
-    with daemon_in_process(
-        tmp_path, [("big", str(big_model))], max_stream_seconds=1e-6
-    ) as (daemon, reg):
+    with daemon_in_process(tmp_path, [("big", str(big_model))], max_stream_seconds=1e-6) as (
+        daemon,
+        reg,
+    ):
         channel, stub = _raw_stub(daemon.target)
         with channel:
             request = pb.FetchRequest(layout=pb.Layout(tp_size=1, tp_rank=0))
