@@ -152,8 +152,9 @@ def _dashboard_metrics() -> set[str]:
 
     def walk(node: object) -> None:
         if isinstance(node, dict):
-            if isinstance(node.get("expr"), str):
-                exprs.append(node["expr"])
+            for key in ("expr", "query"):  # panel queries and template variables
+                if isinstance(node.get(key), str):
+                    exprs.append(node[key])
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):
@@ -164,14 +165,19 @@ def _dashboard_metrics() -> set[str]:
     assert exprs, "the dashboard queries nothing"
     names = set()
     for expr in exprs:
+        expr = re.sub(r'"[^"]*"', '""', expr)  # label values and regexes are not metrics
         names.update(re.findall(r"\b((?:weightd|process|up)\w*)\b", expr))
     return names
 
 
 def _family_names(text: str) -> set[str]:
     names: set[str] = set()
+    # A family declared with HELP/TYPE but no samples yet (a labelled counter before its
+    # first event) is exported too: its series appear with the first event.
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     for family in text_string_to_metric_families(text):
         names.add(family.name)
+        names.update(family.name + s for s in suffixes.get(family.type, ()))
         for sample in family.samples:
             names.add(sample.name)
     return names

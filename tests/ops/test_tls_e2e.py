@@ -56,9 +56,12 @@ def daemon(
 
 
 def _refused(target: str, credentials: grpc.ChannelCredentials | None) -> WeightdError:
-    with WeightClient(target, timeout=10, credentials=credentials) as client:
+    client = WeightClient(target, timeout=10, credentials=credentials)
+    try:
         with pytest.raises(WeightdError) as info:
             client.list_models()
+    finally:
+        client.close()
     return info.value
 
 
@@ -86,9 +89,9 @@ def test_admin_needs_an_allowed_identity(daemon: RunningDaemon, pki: Pki) -> Non
     admin_target = daemon.address("admin")
     assert admin_target != daemon.target
     # A worker's (valid) certificate is not an admin identity.
-    with AdminClient(admin_target, timeout=30, credentials=_creds(pki, pki.worker)) as admin:
-        with pytest.raises(PermissionDeniedError, match="client identity worker is not allowed"):
-            admin.reload("llama")
+    as_worker = AdminClient(admin_target, timeout=30, credentials=_creds(pki, pki.worker))
+    with as_worker, pytest.raises(PermissionDeniedError, match="identity worker is not allowed"):
+        as_worker.reload("llama")
     # No certificate at all: refused before any RPC.
     with AdminClient(admin_target, timeout=10, credentials=_creds(pki, None)) as admin:
         with pytest.raises(WeightdError) as info:
@@ -98,7 +101,7 @@ def test_admin_needs_an_allowed_identity(daemon: RunningDaemon, pki: Pki) -> Non
     with AdminClient(admin_target, timeout=60, credentials=_creds(pki, pki.admin)) as admin:
         assert admin.reload("llama").model == "llama"
     # ... but never through the worker listener.
-    with AdminClient(daemon.target, timeout=30, credentials=_creds(pki, pki.admin)) as admin:
-        with pytest.raises(PermissionDeniedError, match="only on the daemon's admin listener"):
-            admin.reload("llama")
+    wrong_door = AdminClient(daemon.target, timeout=30, credentials=_creds(pki, pki.admin))
+    with wrong_door, pytest.raises(PermissionDeniedError, match="only on the daemon's admin"):
+        wrong_door.reload("llama")
     assert "admin call /weightd.v1.Admin/Reload by admin" in daemon.log()
