@@ -165,8 +165,8 @@ def _dashboard_metrics() -> set[str]:
     assert exprs, "the dashboard queries nothing"
     names = set()
     for expr in exprs:
-        expr = re.sub(r'"[^"]*"', '""', expr)  # label values and regexes are not metrics
-        names.update(re.findall(r"\b((?:weightd|process|up)\w*)\b", expr))
+        bare = re.sub(r'"[^"]*"', '""', expr)  # label values and regexes are not metrics
+        names.update(re.findall(r"\b((?:weightd|process|up)\w*)\b", bare))
     return names
 
 
