@@ -260,13 +260,13 @@ def serve(config: ServeConfig) -> int:
         daemon = create_daemon(config)
         try:
             load_models(daemon, config.models)
+            signals.started()  # inside the try: a signal just before this still stops cleanly
         except BaseException:
             daemon.stop(0)
             raise
     except lifecycle.ShutdownRequested as stop:
         logs.event("exit", status=0, reason=f"signal {stop.signum} during start-up")
         return 0
-    signals.started()
     logs.event("serving", models=",".join(daemon.registry.names()), target=daemon.target)
     signals.wait()
     status = lifecycle.drain(daemon, config.grace_seconds, signals)
