@@ -132,6 +132,17 @@ class RpcObserver(grpc.ServerInterceptor):
             lambda b: self._stream(b, full, service, method, tracked),
         )
 
+    def _track(self, context: grpc.ServicerContext) -> None:
+        """Count the RPC as in flight until gRPC itself says it ended.
+
+        Not when the handler returns: the last messages and the status may still be
+        queued behind flow control, and a drain that cancelled "finished" calls then
+        would cut a client off just before its last bytes.
+        """
+        self._tracker.enter()
+        if not context.add_callback(self._tracker.exit):
+            self._tracker.exit()  # already over
+
     def _done(self, service: str, method: str, code: grpc.StatusCode) -> None:
         if self._metrics is not None:
             self._metrics.rpcs.labels(service, method, code.name).inc()
@@ -139,7 +150,7 @@ class RpcObserver(grpc.ServerInterceptor):
     def _unary(self, behavior: Behavior, service: str, method: str, tracked: bool) -> Behavior:
         def observed(request: Any, context: grpc.ServicerContext) -> Any:
             if tracked:
-                self._tracker.enter()
+                self._track(context)
             code = grpc.StatusCode.OK
             try:
                 return behavior(request, context)
@@ -147,8 +158,6 @@ class RpcObserver(grpc.ServerInterceptor):
                 code = status_of(context) or grpc.StatusCode.UNKNOWN
                 raise
             finally:
-                if tracked:
-                    self._tracker.exit()
                 self._done(service, method, status_of(context) or code)
 
         return observed
@@ -160,7 +169,7 @@ class RpcObserver(grpc.ServerInterceptor):
 
         def observed(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             if tracked:
-                self._tracker.enter()
+                self._track(context)
             gauge = None
             if self._metrics is not None:
                 gauge = self._metrics.active_streams.labels(service, method)
@@ -185,8 +194,6 @@ class RpcObserver(grpc.ServerInterceptor):
                 if code is grpc.StatusCode.OK and not context.is_active():
                     code = grpc.StatusCode.CANCELLED
                 code = status_of(context) or code
-                if tracked:
-                    self._tracker.exit()
                 if gauge is not None:
                     gauge.dec()
                 self._done(service, method, code)

@@ -75,13 +75,14 @@ class Signals:
 
 def drain(daemon: Daemon, grace: float, signals: Signals) -> int:
     """Drain as described above; returns the exit status."""
-    logs.event("drain", grace_seconds=grace, in_flight=daemon.tracker.count)
     daemon.health.enter_graceful_shutdown()
     # stop(grace) refuses new RPCs at once and lets those in flight run; it would
     # cancel them itself after ``grace``, but it waits the whole grace for endless
     # health Watch streams too, so the tracker decides when everything real is done.
     for server in daemon.grpc_servers:
         server.stop(grace)
+    # Logged once new RPCs are already refused: the line means "draining now".
+    logs.event("drain", grace_seconds=grace, in_flight=daemon.tracker.count)
     deadline = time.monotonic() + grace
     while not signals.aborted:
         remaining = deadline - time.monotonic()
