@@ -9,6 +9,17 @@ PYTHON=${PYTHON:-python3}
 # multi-GB CUDA build. GPU hosts: set WEIGHTD_TORCH_SPEC to the build you want (or "" to
 # keep the installed one).
 TORCH_SPEC=${WEIGHTD_TORCH_SPEC-torch==2.13.0}
+# Debian's prometheus package: the ops tests run promtool and a real Prometheus server.
+# Installed only when missing, and only as root (CI runs as root on a fresh clone).
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing Debian's prometheus package (prometheus, promtool)" >&2
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >&2
+  else
+    echo "warning: prometheus/promtool missing and not root: tests/ops will fail" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

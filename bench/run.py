@@ -148,7 +148,7 @@ def start_daemon(ckpt: Path, listen: str, log: Path, extra: list[str] | None = N
     target = ""
     while time.monotonic() - t < 600:
         text = log.read_text(errors="replace")
-        m = re.search(r"serving \S+ on (\S+)", text)
+        m = re.search(r"serving models=\S+ target=(\S+)", text)
         if m:
             target = m.group(1)
             break
@@ -170,7 +170,7 @@ def stop_daemon(d: Daemon) -> None:
 
 
 def verify_seconds(log: Path) -> float | None:
-    m = re.search(r"verified model \S+: .* ([0-9.]+)s", log.read_text(errors="replace"))
+    m = re.search(r"verified model=\S+ .*seconds=([0-9.]+)", log.read_text(errors="replace"))
     return float(m.group(1)) if m else None
 
 

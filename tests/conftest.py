@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,13 +28,43 @@ class RunningDaemon:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def address(self, listener: str) -> str:
+        """Where the ``listening`` event says ``listener`` (worker, admin, metrics...) is."""
+        found = listening_address(self.log(), listener)
+        assert found is not None, f"no {listener} listener in the log:\n{self.log()}"
+        return found
+
+
+def listening_address(log: str, listener: str) -> str | None:
+    """The address of ``listener`` from the daemon's ``listening`` lifecycle event
+    (text lines, or JSON lines with ``--log-json``)."""
+    for line in log.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if record.get("event") == "listening" and record.get("listener") == listener:
+                return str(record["address"])
+            continue
+        m = re.search(rf"listening listener={listener} address=(\S+)", line)
+        if m:
+            return m.group(1)
+    return None
+
 
 def wait_serving(
-    target: str, process: subprocess.Popen[str], log_path: Path, timeout: float = 120
+    target: str,
+    process: subprocess.Popen[str],
+    log_path: Path,
+    timeout: float = 120,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
     """Poll grpc.health.v1 until the overall status is SERVING (or the daemon dies)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    channel = (
+        grpc.insecure_channel(target)
+        if credentials is None
+        else grpc.secure_channel(target, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -55,12 +87,21 @@ def weightd_command(*args: str) -> list[str]:
 
 @contextlib.contextmanager
 def run_daemon(
-    tmp: Path, models: Sequence[tuple[str, Path]], extra: Sequence[str] = ()
+    tmp: Path,
+    models: Sequence[tuple[str, Path]],
+    extra: Sequence[str] = (),
+    *,
+    listen: str | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> Iterator[RunningDaemon]:
-    """Start ``weightd serve`` in its own process on a private Unix socket."""
+    """Start ``weightd serve`` in its own process on a private Unix socket.
+
+    ``listen`` (e.g. ``127.0.0.1:0``) serves TCP instead; the bound port is read from
+    the daemon's ``listening`` event. ``credentials`` are used for the readiness probe.
+    """
     sock = tmp / "run" / "weightd.sock"
     log_path = tmp / "daemon.log"
-    args = ["serve", "--listen", f"unix://{sock}"]
+    args = ["serve", "--listen", listen or f"unix://{sock}"]
     for name, directory in models:
         args += ["--model", f"{name}={directory}"]
     env = dict(os.environ, WEIGHTD_CACHE_DIR=str(tmp / "cache"))
@@ -70,7 +111,9 @@ def run_daemon(
         )
     target = f"unix://{sock}"
     try:
-        wait_serving(target, process, log_path)
+        if listen is not None:
+            target = _wait_listening(process, log_path)
+        wait_serving(target, process, log_path, credentials=credentials)
         yield RunningDaemon(process, target, log_path)
     finally:
         if process.poll() is None:
@@ -80,6 +123,18 @@ def run_daemon(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _wait_listening(process: subprocess.Popen[str], log_path: Path, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = listening_address(log_path.read_text(), "worker")
+        if found is not None:
+            return found
+        if process.poll() is not None:
+            raise RuntimeError(f"daemon exited with {process.returncode}:\n{log_path.read_text()}")
+        time.sleep(0.1)
+    raise RuntimeError(f"daemon did not listen within {timeout}s:\n{log_path.read_text()}")
 
 
 @pytest.fixture(scope="session")

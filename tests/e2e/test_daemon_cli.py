@@ -46,7 +46,7 @@ def test_serve_without_model_serves_the_demo(tmp_path: Path) -> None:
             state = client.fetch(rank=1, world_size=4)
             q = state["model.layers.0.self_attn.q_proj.weight"]
             assert q.shape == (64, 256) and q.dtype == torch.bfloat16
-        assert "serving llama-demo" in daemon.log()
+        assert "serving models=llama-demo" in daemon.log()
 
 
 def test_client_imports_and_fetches_without_server_dependencies(tmp_path: Path) -> None:
@@ -131,13 +131,23 @@ def test_sigterm_exits_zero(tmp_path: Path) -> None:
         assert "exit" in daemon.log()
 
 
-def test_tcp_listen_is_loopback_unless_insecure(tmp_path: Path) -> None:
-    done = subprocess.run(
-        weightd_command("serve", "--listen", "0.0.0.0:0"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, WEIGHTD_CACHE_DIR=str(tmp_path / "cache")),
-    )
-    assert done.returncode != 0
-    assert "non-loopback" in done.stderr and "Traceback" not in done.stderr
+def test_tcp_requires_tls_unless_insecure(tmp_path: Path) -> None:
+    """TCP without TLS is refused, loopback included; --insecure allows it, loudly."""
+    env = dict(os.environ, WEIGHTD_CACHE_DIR=str(tmp_path / "cache"))
+    for address in ("0.0.0.0:0", "127.0.0.1:0"):
+        done = subprocess.run(
+            weightd_command(
+                "serve", "--listen", address, "--admin-listen", f"unix://{tmp_path}/a/admin.sock"
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert done.returncode != 0
+        assert f"refusing to serve weights on TCP {address} without TLS" in done.stderr
+        assert "Traceback" not in done.stderr
+    with run_daemon(tmp_path, [], ["--insecure"], listen="127.0.0.1:0") as daemon:
+        assert "INSECURE: serving weights over plaintext TCP on 127.0.0.1:" in daemon.log()
+        with WeightClient(daemon.target, timeout=60) as client:
+            assert client.list_models()[0].ready

@@ -4,6 +4,7 @@ Imports only grpcio, protobuf and torch (plus the standard library), so a worker
 needs none of the daemon's dependencies.
 """
 
+from .admin import AdminClient, ReloadResult
 from .client import ModelDescription, ModelInfo, TensorInfo, WeightClient
 from .errors import (
     DataLossError,
@@ -17,8 +18,10 @@ from .errors import (
     UnavailableError,
     WeightdError,
 )
+from .tls import tls_credentials
 
 __all__ = [
+    "AdminClient",
     "DataLossError",
     "DeadlineExceededError",
     "FailedPreconditionError",
@@ -27,10 +30,12 @@ __all__ = [
     "ModelInfo",
     "NotFoundError",
     "PermissionDeniedError",
+    "ReloadResult",
     "ResourceExhaustedError",
     "TensorInfo",
     "UnauthenticatedError",
     "UnavailableError",
     "WeightClient",
     "WeightdError",
+    "tls_credentials",
 ]

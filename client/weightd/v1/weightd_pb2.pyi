@@ -378,3 +378,52 @@ class FetchResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FetchResponse: _TypeAlias = FetchResponse  # noqa: Y015
+
+@_typing.final
+class ReloadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """a served model's name; empty: the daemon's only model"""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadRequest: _TypeAlias = ReloadRequest  # noqa: Y015
+
+@_typing.final
+class ReloadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    NUM_TENSORS_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    VERIFY_SECONDS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    num_tensors: _builtins.int
+    total_bytes: _builtins.int
+    verify_seconds: _builtins.float
+    """time spent reading and verifying the new version"""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        num_tensors: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
+        verify_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "num_tensors", b"num_tensors", "total_bytes", b"total_bytes", "verify_seconds", b"verify_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadResponse: _TypeAlias = ReloadResponse  # noqa: Y015

@@ -195,3 +195,87 @@ class Weights:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Operator operations. Served only on the admin listener (a Unix socket in the
+    daemon's 0700 directory, or TCP with mutual TLS and an allowed client identity);
+    on the worker listener every Admin call is refused with PERMISSION_DENIED.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Reload = channel.unary_unary(
+                '/weightd.v1.Admin/Reload',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.ReloadRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.ReloadResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Operator operations. Served only on the admin listener (a Unix socket in the
+    daemon's 0700 directory, or TCP with mutual TLS and an allowed client identity);
+    on the worker listener every Admin call is refused with PERMISSION_DENIED.
+    """
+
+    def Reload(self, request, context):
+        """Re-reads and re-verifies a served model from its directory. The new version is
+        loaded and verified aside and swapped in only when the whole of it passed; on
+        failure the old version keeps serving and the call fails with the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.ReloadRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.ReloadResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'weightd.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('weightd.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Operator operations. Served only on the admin listener (a Unix socket in the
+    daemon's 0700 directory, or TCP with mutual TLS and an allowed client identity);
+    on the worker listener every Admin call is refused with PERMISSION_DENIED.
+    """
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightd.v1.Admin/Reload',
+            weightd_dot_v1_dot_weightd__pb2.ReloadRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.ReloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

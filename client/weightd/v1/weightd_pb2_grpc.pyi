@@ -102,3 +102,52 @@ class WeightsServicer(metaclass=_abc_1.ABCMeta):
         """
 
 def add_WeightsServicer_to_server(servicer: WeightsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class AdminStub:
+    """Operator operations. Served only on the admin listener (a Unix socket in the
+    daemon's 0700 directory, or TCP with mutual TLS and an allowed client identity);
+    on the worker listener every Admin call is refused with PERMISSION_DENIED.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> AdminAsyncStub: ...
+    Reload: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.ReloadRequest, _weightd_pb2.ReloadResponse]
+    """Re-reads and re-verifies a served model from its directory. The new version is
+    loaded and verified aside and swapped in only when the whole of it passed; on
+    failure the old version keeps serving and the call fails with the reason.
+    """
+
+@_typing.type_check_only
+class AdminAsyncStub(AdminStub):
+    """Operator operations. Served only on the admin listener (a Unix socket in the
+    daemon's 0700 directory, or TCP with mutual TLS and an allowed client identity);
+    on the worker listener every Admin call is refused with PERMISSION_DENIED.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Reload: _aio.UnaryUnaryMultiCallable[_weightd_pb2.ReloadRequest, _weightd_pb2.ReloadResponse]  # type: ignore[assignment]
+    """Re-reads and re-verifies a served model from its directory. The new version is
+    loaded and verified aside and swapped in only when the whole of it passed; on
+    failure the old version keeps serving and the call fails with the reason.
+    """
+
+class AdminServicer(metaclass=_abc_1.ABCMeta):
+    """Operator operations. Served only on the admin listener (a Unix socket in the
+    daemon's 0700 directory, or TCP with mutual TLS and an allowed client identity);
+    on the worker listener every Admin call is refused with PERMISSION_DENIED.
+    """
+
+    @_abc_1.abstractmethod
+    def Reload(
+        self,
+        request: _weightd_pb2.ReloadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.ReloadResponse, _abc.Awaitable[_weightd_pb2.ReloadResponse]]:
+        """Re-reads and re-verifies a served model from its directory. The new version is
+        loaded and verified aside and swapped in only when the whole of it passed; on
+        failure the old version keeps serving and the call fails with the reason.
+        """
+
+def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -9,6 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+import grpc
+
 from .errors import WeightdError
 from .listen import default_socket_path
 
@@ -45,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--insecure",
         action="store_true",
-        help="allow a non-loopback TCP address without TLS (weights cross the network in clear)",
+        help="allow TCP without TLS (logged loudly; off loopback, weights cross the network "
+        "in clear)",
     )
     s.add_argument("--chunk-bytes", type=int, default=1 << 20, help="tensor bytes per message")
     s.add_argument("--max-workers", type=int, default=16, help="RPC worker threads")
@@ -55,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=30.0, help="seconds to drain after SIGTERM")
     s.add_argument("--cache-dir", default=None, help="where the demo checkpoint is created")
     s.add_argument("--log-level", default="INFO")
+    _add_ops_args(s)
 
     f = sub.add_parser("fetch", help="fetch one rank's slices into a safetensors file")
     f.add_argument("target", help="daemon address, e.g. unix:///run/weightd/weightd.sock")
@@ -64,25 +68,98 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--name", action="append", dest="names", help="only this tensor (repeatable)")
     f.add_argument("--out", required=True, help="output .safetensors file")
     f.add_argument("--timeout", type=float, default=None)
+    _add_client_tls_args(f)
 
     ls = sub.add_parser("list", help="list the models a daemon serves")
     ls.add_argument("target")
+    _add_client_tls_args(ls)
 
     d = sub.add_parser("describe", help="describe a served model's tensors")
     d.add_argument("target")
     d.add_argument("--model", default=None)
     d.add_argument("--json", action="store_true")
+    _add_client_tls_args(d)
 
     h = sub.add_parser("health", help="exit 0 when the daemon reports SERVING (gRPC health)")
     h.add_argument("target")
     h.add_argument("--service", default="", help="'' overall, or weightd.v1.Weights/MODEL")
     h.add_argument("--wait", type=float, default=0.0, help="keep polling up to this many seconds")
+    _add_client_tls_args(h)
+
+    r = sub.add_parser("reload", help="re-verify a model from disk (admin listener only)")
+    r.add_argument("target", help="the admin address, e.g. unix:///run/weightd/admin.sock")
+    r.add_argument("--model", default=None)
+    r.add_argument("--timeout", type=float, default=None)
+    _add_client_tls_args(r)
 
     demo = sub.add_parser(
         "demo-checkpoint", help="create (if needed) and print the demo checkpoint"
     )
     demo.add_argument("--cache-dir", default=None)
     return p
+
+
+def _add_ops_args(s: argparse.ArgumentParser) -> None:
+    """``serve`` flags for operations: TLS, admin, metrics, health, reflection, logs, bounds."""
+    s.add_argument("--tls-cert", default=None, help="PEM certificate chain for TCP listeners")
+    s.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    s.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="PEM CA bundle: require client certificates signed by it (mutual TLS)",
+    )
+    s.add_argument(
+        "--admin-listen",
+        default=None,
+        help="admin RPC address: unix:///PATH.sock, HOST:PORT (mutual TLS + --admin-allow), "
+        "or 'none' (default: admin.sock next to the worker socket)",
+    )
+    s.add_argument(
+        "--admin-allow",
+        action="append",
+        default=[],
+        metavar="IDENTITY",
+        help="client certificate CN/SAN allowed to call admin RPCs over TCP (repeatable)",
+    )
+    s.add_argument(
+        "--metrics-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics over HTTP here (host defaults to 127.0.0.1; port 0 "
+        "picks one, logged)",
+    )
+    s.add_argument(
+        "--health-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="plaintext gRPC listener with only grpc.health.v1 (Kubernetes gRPC probes)",
+    )
+    s.add_argument("--reflection", action="store_true", help="serve gRPC server reflection")
+    s.add_argument("--log-json", action="store_true", help="log JSON lines")
+    s.add_argument(
+        "--max-stream-seconds",
+        type=float,
+        default=3600.0,
+        help="cancel a Fetch stream running longer than this, whatever the client's deadline "
+        "(0: no cap)",
+    )
+
+
+def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert", default=None, help="client certificate for mutual TLS (PEM)")
+    p.add_argument("--tls-key", default=None, help="client key for --tls-cert (PEM)")
+
+
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    if args.tls_ca is None and args.tls_cert is None:
+        return None
+    from weightd.client import tls_credentials
+
+    try:
+        return tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as exc:
+        raise WeightdError(str(exc)) from None
 
 
 def _cache_dir(arg: str | None) -> str:
@@ -108,6 +185,15 @@ def _serve(args: argparse.Namespace) -> int:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         chunk_bytes=args.chunk_bytes,
         grace_seconds=args.grace,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        admin_listen=args.admin_listen,
+        admin_allow=args.admin_allow,
+        metrics_listen=args.metrics_listen,
+        health_listen=args.health_listen,
+        reflection=args.reflection,
+        max_stream_seconds=args.max_stream_seconds,
     )
     return serve(config)
 
@@ -117,7 +203,8 @@ def _fetch(args: argparse.Namespace) -> int:
 
     from weightd.client import WeightClient
 
-    with WeightClient(args.target, timeout=args.timeout) as client:
+    creds = _credentials(args)
+    with WeightClient(args.target, timeout=args.timeout, credentials=creds) as client:
         state = client.fetch(args.rank, args.world_size, model=args.model, names=args.names)
     tmp = args.out + ".tmp"
     save_file(
@@ -135,7 +222,7 @@ def _fetch(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     from weightd.client import WeightClient
 
-    with WeightClient(args.target) as client:
+    with WeightClient(args.target, credentials=_credentials(args)) as client:
         for m in client.list_models():
             state = "ready" if m.ready else "not ready"
             size = f"{m.num_tensors} tensors\t{m.total_bytes} bytes"
@@ -146,7 +233,7 @@ def _list(args: argparse.Namespace) -> int:
 def _describe(args: argparse.Namespace) -> int:
     from weightd.client import WeightClient
 
-    with WeightClient(args.target) as client:
+    with WeightClient(args.target, credentials=_credentials(args)) as client:
         d = client.describe(args.model)
     if args.json:
         print(
@@ -170,12 +257,17 @@ def _describe(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     import time
 
-    import grpc
     from grpc_health.v1 import health_pb2
 
     deadline = time.monotonic() + args.wait
     status = "UNREACHABLE"
-    with grpc.insecure_channel(args.target) as channel:
+    creds = _credentials(args)
+    channel = (
+        grpc.insecure_channel(args.target)
+        if creds is None
+        else grpc.secure_channel(args.target, creds)
+    )
+    with channel:
         # Called by method path: the typeshed stub of HealthStub lacks its methods.
         check = channel.unary_unary(
             "/grpc.health.v1.Health/Check",
@@ -195,13 +287,24 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def _reload(args: argparse.Namespace) -> int:
+    from weightd.client import AdminClient
+
+    creds = _credentials(args)
+    with AdminClient(args.target, timeout=args.timeout, credentials=creds) as admin:
+        r = admin.reload(args.model)
+    print(
+        f"reloaded {r.model}: {r.num_tensors} tensors, {r.total_bytes} bytes verified in "
+        f"{r.verify_seconds:.2f}s"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from .logs import setup_logging
+
+    setup_logging(getattr(args, "log_level", "INFO"), json_lines=getattr(args, "log_json", False))
     from weightd.client.errors import WeightdError as ClientError
 
     try:
@@ -215,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _describe(args)
         if args.command == "health":
             return _health(args)
+        if args.command == "reload":
+            return _reload(args)
         print(_demo_path(args))
         return 0
     except (WeightdError, ClientError) as exc:

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 from concurrent import futures
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import IO
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from .errors import WeightdError
+from . import lifecycle, listeners, logs
+from .collectors import GpuMemoryCollector, ModelCollector
+from .guards import AdminGate, FetchGuard, StreamWatchdog
+from .interceptors import InflightTracker, RpcObserver
 from .listen import Address, ListenError, parse_address, prepare_unix_socket
-from .models import ModelRegistry, load_model
+from .loading import Reloader, load_observed
+from .metrics import Metrics, MetricsServer, serve_metrics
+from .models import ModelRegistry
+from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 from .service import DEFAULT_CHUNK_BYTES, WeightsService
 
 log = logging.getLogger("weightd")
@@ -45,6 +49,25 @@ class ServeConfig:
     #: Seconds in-flight RPCs get to finish after SIGTERM.
     grace_seconds: float = 30.0
     extra_options: list[tuple[str, int]] = field(default_factory=list)
+    #: TLS for TCP listeners: certificate chain and key (PEM); with ``tls_client_ca``,
+    #: clients must present a certificate signed by that CA (mutual TLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    #: Admin listener: ``unix:///path.sock``, ``HOST:PORT`` (mutual TLS + ``admin_allow``
+    #: required), ``"none"``; None: ``admin.sock`` next to the worker socket.
+    admin_listen: str | None = None
+    #: Client certificate identities (CN or SAN) allowed to call admin RPCs over TCP.
+    admin_allow: list[str] = field(default_factory=list)
+    #: ``HOST:PORT`` of the Prometheus HTTP listener; None: no metrics listener.
+    metrics_listen: str | None = None
+    #: ``HOST:PORT`` of a plaintext gRPC listener serving only grpc.health.v1 (for
+    #: Kubernetes gRPC probes, which cannot speak TLS); None: none.
+    health_listen: str | None = None
+    #: Serve gRPC server reflection (grpc.reflection.v1alpha) on the worker listener.
+    reflection: bool = False
+    #: Longest a Fetch stream may run, whatever deadline the client set (0: no cap).
+    max_stream_seconds: float = 3600.0
 
 
 @dataclass
@@ -54,6 +77,21 @@ class Daemon:
     registry: ModelRegistry
     health: health.HealthServicer
     lock: IO[str] | None
+    tracker: InflightTracker = field(default_factory=InflightTracker)
+    metrics: Metrics | None = None
+    metrics_server: MetricsServer | None = None
+    admin_server: grpc.Server | None = None
+    admin_address: Address | None = None
+    health_server: grpc.Server | None = None
+    health_address: Address | None = None
+    reloader: Reloader | None = None
+    watchdog: StreamWatchdog | None = None
+    locks: list[IO[str]] = field(default_factory=list)
+
+    @property
+    def grpc_servers(self) -> list[grpc.Server]:
+        extra = [self.admin_server, self.health_server]
+        return [self.server, *(s for s in extra if s is not None)]
 
     @property
     def target(self) -> str:
@@ -78,88 +116,159 @@ class Daemon:
 
     def stop(self, grace: float | None) -> None:
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        for event in [s.stop(grace) for s in self.grpc_servers]:
+            event.wait()
+        self.close()
+
+    def close(self) -> None:
+        """Release everything but the (already stopped) gRPC servers."""
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self.registry.close()
-        if self.lock is not None:
-            self.lock.close()
+        for lock in [self.lock, *self.locks]:
+            if lock is not None:
+                lock.close()
 
 
-def create_daemon(config: ServeConfig) -> Daemon:
-    """Bind and start the gRPC server (health NOT_SERVING); models are loaded separately."""
+def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | None = None) -> Daemon:
+    """Bind and start every listener (health NOT_SERVING); models are loaded separately.
+
+    ``metrics_registry``: where the daemon registers its metrics (tests pass their own);
+    None creates one when ``config.metrics_listen`` is set, else no metrics at all.
+    """
     address = parse_address(config.listen)
-    if not address.is_loopback and not config.insecure:
-        raise ListenError(
-            f"refusing to serve weights unencrypted on non-loopback address {config.listen}; "
-            "use a Unix socket or loopback, or pass --insecure"
-        )
-    lock = prepare_unix_socket(address.path) if address.kind == "unix" else None
-    registry = ModelRegistry()
-    options = [
-        ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
-        ("grpc.max_receive_message_length", 1 << 20),  # requests are small
-        *config.extra_options,
-    ]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(
-            max_workers=config.max_workers, thread_name_prefix="weightd-rpc"
-        ),
-        options=options,
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+    tls = read_tls(TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca))
+    warning = check_worker_listener(address, tls=tls is not None, insecure=config.insecure)
+    admin_address = listeners.admin_address(config.admin_listen, address)
+    allowed = (
+        check_admin_listener(admin_address, tls=tls, allowed=frozenset(config.admin_allow))
+        if admin_address is not None
+        else None
     )
-    pb_grpc.add_WeightsServicer_to_server(WeightsService(registry, config.chunk_bytes), server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if (
+        tls is not None
+        and address.kind == "unix"
+        and (admin_address is None or admin_address.kind == "unix")
+    ):
+        raise ListenError("--tls-cert was given but no TCP listener uses it")
+    if metrics_registry is None and config.metrics_listen is not None:
+        metrics_registry = CollectorRegistry()
+    registry = ModelRegistry()
+    metrics = None
+    if metrics_registry is not None:
+        metrics = Metrics.create(metrics_registry, version=listeners.version())
+        metrics_registry.register(ModelCollector(registry, metrics.scrape_errors))
+        metrics_registry.register(GpuMemoryCollector())
+    tracker = InflightTracker()
+    observer = RpcObserver(metrics, tracker, listeners.model_resolver(registry))
+    watchdog = StreamWatchdog(config.max_stream_seconds) if config.max_stream_seconds > 0 else None
+    locks: list[IO[str]] = []
+    daemon: Daemon | None = None
     try:
-        port = server.add_insecure_port(address.grpc_target)
-    except RuntimeError as exc:
-        if lock is not None:
-            lock.close()
-        raise ListenError(f"cannot listen on {config.listen}: {exc}") from None
-    if address.kind == "tcp":
-        address = Address("tcp", host=address.host, port=port)
-    daemon = Daemon(server, address, registry, health_servicer, lock)
+        lock = prepare_unix_socket(address.path) if address.kind == "unix" else None
+        options = [
+            ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
+            ("grpc.max_receive_message_length", 1 << 20),  # requests are small
+            *config.extra_options,
+        ]
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=config.max_workers, thread_name_prefix="weightd-rpc"
+            ),
+            options=options,
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            interceptors=[observer, AdminGate(), FetchGuard(watchdog)],
+        )
+        pb_grpc.add_WeightsServicer_to_server(WeightsService(registry, config.chunk_bytes), server)
+        health_servicer = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        if config.reflection:
+            listeners.enable_reflection(server)
+        daemon = Daemon(
+            server,
+            address,
+            registry,
+            health_servicer,
+            lock,
+            tracker,
+            metrics,
+            watchdog=watchdog,
+            locks=locks,
+        )
+        daemon.address = listeners.bind(server, address, tls, "worker")
+        if warning:
+            log.warning("%s", warning)
+        if admin_address is not None:
+            if admin_address.kind == "unix":
+                locks.append(prepare_unix_socket(admin_address.path))
+            daemon.reloader = Reloader(registry, metrics)
+            daemon.admin_server = listeners.admin_server(daemon.reloader, observer, allowed)
+            daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
+        if config.health_listen is not None:
+            daemon.health_server = listeners.health_server(health_servicer, observer)
+            daemon.health_address = listeners.bind(
+                daemon.health_server, parse_address(config.health_listen), None, "health"
+            )
+        if config.metrics_listen is not None:
+            assert metrics_registry is not None
+            host, port = listeners.host_port(config.metrics_listen)
+            daemon.metrics_server = serve_metrics(metrics_registry, host, port)
+    except BaseException:
+        if daemon is not None:
+            daemon.close()
+        else:
+            for held in locks:
+                held.close()
+        raise
     for status_name in ("", WEIGHTS_SERVICE):
         health_servicer.set(status_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     registry.on_change(daemon.set_serving)
-    server.start()
+    for s in daemon.grpc_servers:
+        s.start()
+    listeners.log_listening(daemon)
     return daemon
 
 
 def load_models(daemon: Daemon, models: list[tuple[str | None, str]]) -> None:
     """Verify and publish each model; the first failure propagates (nothing half-published)."""
-    for name, directory in models:
-        daemon.registry.expect(name or os.path.basename(os.path.realpath(directory)))
-    for name, directory in models:
-        daemon.registry.publish(load_model(directory, name))
+    named = [(name or os.path.basename(os.path.realpath(d)), d) for name, d in models]
+    for name, _ in named:
+        daemon.registry.expect(name)
+        if daemon.metrics is not None:
+            daemon.metrics.model_known(name)
+    for name, directory in named:
+        model, _ = load_observed(directory, name, daemon.metrics)
+        daemon.registry.publish(model)
 
 
 def serve(config: ServeConfig) -> int:
-    """Run until SIGTERM/SIGINT; a second signal aborts in-flight RPCs at once."""
-    daemon = create_daemon(config)
-    log.info("listening on %s", daemon.target)
+    """Run until SIGTERM/SIGINT, then drain; a second signal aborts in-flight RPCs at once.
+
+    Exit status: 0 after a drain (or a signal during start-up), 1 when aborted.
+    """
+    signals = lifecycle.Signals.install()
+    logs.event(
+        "start",
+        pid=os.getpid(),
+        version=listeners.version(),
+        models=len(config.models),
+        listen=config.listen,
+    )
     try:
-        load_models(daemon, config.models)
-    except WeightdError:
-        daemon.stop(0)
-        raise
-    log.info("serving %s on %s", ", ".join(daemon.registry.names()), daemon.target)
-    stop = threading.Event()
-    signals = 0
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            log.info("signal %d: draining for up to %.0fs", signum, config.grace_seconds)
-            stop.set()
-        else:
-            log.warning("second signal: aborting in-flight RPCs")
-            daemon.server.stop(0)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    while not stop.wait(0.5):
-        pass
-    daemon.stop(config.grace_seconds)
-    log.info("exit")
-    return 0
+        daemon = create_daemon(config)
+        try:
+            load_models(daemon, config.models)
+            signals.started()  # inside the try: a signal just before this still stops cleanly
+        except BaseException:
+            daemon.stop(0)
+            raise
+    except lifecycle.ShutdownRequested as stop:
+        logs.event("exit", status=0, reason=f"signal {stop.signum} during start-up")
+        return 0
+    logs.event("serving", models=",".join(daemon.registry.names()), target=daemon.target)
+    signals.wait()
+    status = lifecycle.drain(daemon, config.grace_seconds, signals)
+    logs.event("exit", status=status, aborted=signals.aborted)
+    return status

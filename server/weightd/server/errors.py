@@ -107,6 +107,42 @@ class ResourceLimitError(WeightdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class RequestTooLarge(ResourceLimitError):
+    """A request field exceeds its bound (too many tensor names, a name too long)."""
+
+
+class StreamTimeLimit(WeightdError):
+    """A stream ran past the daemon's own cap on stream duration (``--max-stream-seconds``)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+# --- access -------------------------------------------------------------------------
+
+
+class Unauthenticated(WeightdError):
+    """The caller presented no identity where one is required (admin over TCP without a
+    client certificate the daemon can read)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(WeightdError):
+    """The caller is known but not allowed: an admin RPC on the worker listener, or a
+    client certificate whose identity is not in ``--admin-allow``."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+# --- start-up -----------------------------------------------------------------------
+
+
+class SecurityConfigError(WeightdError):
+    """The daemon was told to listen in a way its security defaults refuse (TCP without
+    TLS and without ``--insecure``, admin over TCP without mutual TLS, unreadable
+    certificate files). Raised at start-up; the daemon exits with one line."""
+
+
 def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status a failed RPC answers with. The only place codes are chosen."""
     if isinstance(error, WeightdError):

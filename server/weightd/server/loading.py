@@ -1,0 +1,119 @@
+"""Loading and reloading models with their lifecycle events and metrics.
+
+:func:`load_observed` wraps :func:`~.models.load_model` (verify before publish) with
+the ``verified``/``verify_failed`` events and the verification metrics.
+
+:class:`Reloader` is a minimal *registry-level* reload, written for the admin
+``Reload`` RPC: the new version is loaded and verified entirely aside, and is swapped
+in only when the whole of it passed; on any failure the old version keeps serving
+untouched. It is deliberately separate from ``ModelRegistry`` so it can be
+reconciled with a registry-native ``ModelRegistry.reload(name)`` when that lands.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from . import logs
+from .errors import InvalidRequest, ModelNotFound, ModelNotReady
+from .metrics import Metrics, failure_reason
+from .models import LoadedModel, ModelRegistry, load_model
+
+log = logging.getLogger("weightd")
+
+
+def load_observed(directory: str, name: str, metrics: Metrics | None) -> tuple[LoadedModel, float]:
+    """Load and verify one model; record the outcome. Returns the model and seconds taken."""
+    started = time.monotonic()
+    try:
+        model = load_model(directory, name)
+    except BaseException as exc:
+        seconds = time.monotonic() - started
+        reason = failure_reason(exc)
+        if metrics is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            metrics.verify_failures.labels(name, reason).inc()
+        # The error itself is reported once, by whoever handles it: the CLI's one line
+        # at start-up, the ``reload`` event and the RPC status on a reload.
+        logs.event("verify_failed", logging.WARNING, model=name, reason=reason, seconds=seconds)
+        raise
+    seconds = time.monotonic() - started
+    if metrics is not None:
+        metrics.verify_seconds.labels(name).observe(seconds)
+    ckpt = model.checkpoint
+    logs.event(
+        "verified",
+        model=name,
+        tensors=len(ckpt.tensors),
+        bytes=ckpt.total_bytes,
+        shards=len(ckpt.shards),
+        seconds=seconds,
+    )
+    return model, seconds
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    model: LoadedModel
+    seconds: float
+
+
+class Reloader:
+    """Reloads one model at a time per name; concurrent reloads of one model queue."""
+
+    def __init__(self, registry: ModelRegistry, metrics: Metrics | None = None) -> None:
+        self._registry = registry
+        self._metrics = metrics
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+
+    def _current(self, name: str) -> LoadedModel:
+        published = {m.name: m for m in self._registry.models()}
+        every = self._registry.names()
+        if not name:
+            if len(every) != 1:
+                raise InvalidRequest(
+                    f"this daemon serves {len(every)} models ({', '.join(every)}); name one"
+                )
+            (name,) = every
+        model = published.get(name)
+        if model is not None:
+            return model  # broken models too: a reload is how they come back
+        if name in every:
+            raise ModelNotReady(f"model {name!r} is still being verified; reload it afterwards")
+        raise ModelNotFound(f"model {name!r} is not served here (serving: {', '.join(every)})")
+
+    def reload(self, name: str) -> ReloadResult:
+        """Re-read and re-verify ``name`` from its directory; swap in only on success."""
+        current = self._current(name)
+        with self._guard:
+            lock = self._locks.setdefault(current.name, threading.Lock())
+        with lock:
+            try:
+                new, seconds = load_observed(current.checkpoint.root, current.name, self._metrics)
+            except Exception as exc:
+                if self._metrics is not None:
+                    self._metrics.reloads.labels(current.name, "failed").inc()
+                logs.event(
+                    "reload",
+                    logging.ERROR,
+                    model=current.name,
+                    outcome="failed",
+                    serving="previous version" if current.broken is None else "nothing",
+                    error=str(exc),
+                )
+                raise
+            self._registry.publish(new)
+        if self._metrics is not None:
+            self._metrics.reloads.labels(current.name, "ok").inc()
+        logs.event(
+            "reload",
+            model=current.name,
+            outcome="ok",
+            tensors=len(new.checkpoint.tensors),
+            bytes=new.checkpoint.total_bytes,
+            seconds=seconds,
+        )
+        return ReloadResult(new, seconds)

@@ -1,0 +1,99 @@
+"""Log set-up and lifecycle events: one line per event, as text or as JSON lines.
+
+An operator (or a log pipeline) should be able to follow a daemon's life from its log
+alone: ``start``, ``listening``, ``verified`` per model, ``serving``, ``reload``,
+``drain`` and ``exit`` each produce exactly one line carrying ``event=<name>`` and
+its fields. Text lines put the fields as ``key=value`` pairs after the event name;
+with ``--log-json`` every line (events and ordinary messages alike) is one JSON
+object, so nothing needs a regular expression to be read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Final, TextIO
+
+log = logging.getLogger("weightd")
+
+#: The lifecycle events; :func:`event` refuses any other name so dashboards and
+#: log queries can rely on this list.
+EVENTS: Final = frozenset(
+    {"start", "listening", "verified", "serving", "reload", "verify_failed", "drain", "exit"}
+)
+
+_EVENT_ATTR: Final = "weightd_event"
+_FIELDS_ATTR: Final = "weightd_fields"
+
+
+def format_value(value: Any) -> str:
+    """A field value for a text line: bare when it is one plain token, else JSON-quoted."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    text = str(value)
+    if text and all(c.isalnum() or c in "-_./:@[]," for c in text):
+        return text
+    return json.dumps(text)
+
+
+def format_event(name: str, fields: Mapping[str, Any]) -> str:
+    """``name key=value ...`` (pure, table-tested)."""
+    parts = [name, *(f"{k}={format_value(v)}" for k, v in fields.items())]
+    return " ".join(parts)
+
+
+def event(name: str, level: int = logging.INFO, **fields: Any) -> None:
+    """Log one lifecycle event as exactly one line."""
+    if name not in EVENTS:
+        raise ValueError(f"unknown lifecycle event {name!r}; add it to logs.EVENTS")
+    log.log(
+        level,
+        "%s",
+        format_event(name, fields),
+        extra={_EVENT_ATTR: name, _FIELDS_ATTR: dict(fields)},
+    )
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ``ts``, ``level``, ``logger``, ``msg`` and event fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+        }
+        name = getattr(record, _EVENT_ATTR, None)
+        if name is not None:
+            out["event"] = name
+            fields: dict[str, Any] = getattr(record, _FIELDS_ATTR, {})
+            for key, value in fields.items():
+                out.setdefault(key, value)
+            out["msg"] = record.getMessage()
+        else:
+            out["msg"] = record.getMessage()
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(
+    level: str = "INFO", *, json_lines: bool = False, stream: TextIO | None = None
+) -> None:
+    """Configure the root logger once, for the CLI (text, or JSON lines with ``--log-json``)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    if json_lines:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)

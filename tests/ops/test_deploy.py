@@ -1,0 +1,133 @@
+"""deploy/ as real tools read it: promtool, the Kubernetes schemas, systemd-analyze."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
+    assert path, f"{name} is missing: .ci/setup.sh installs it (Debian's prometheus package)"
+    return path
+
+
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+@pytest.mark.parametrize(
+    ("check", "target"),
+    [
+        ("config", "prometheus/prometheus.yml"),
+        ("rules", "prometheus/alerts.yml"),
+    ],
+)
+def test_promtool_check(check: str, target: str) -> None:
+    done = _run(_tool("promtool"), "check", check, str(DEPLOY / target))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout + done.stderr
+
+
+def test_promtool_alert_unit_tests() -> None:
+    """The alerts fire when they should (daemon down, failures, residency, pinned budget)."""
+    done = _run(_tool("promtool"), "test", "rules", "alerts_test.yml", cwd=DEPLOY / "prometheus")
+    assert done.returncode == 0, done.stdout + done.stderr
+    alerts = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    names = {r["alert"] for g in alerts["groups"] for r in g["rules"]}
+    assert {
+        "WeightdDown",
+        "WeightdVerificationFailures",
+        "WeightdPageCacheResidencyLow",
+        "WeightdPinnedBudgetNearlyFull",
+    } <= names
+
+
+def _validate(*paths: Path) -> subprocess.CompletedProcess[str]:
+    # The package's bundled schemas; no network.
+    script = "import sys; from kubernetes_validate.__main__ import main; sys.exit(main())"
+    return _run(sys.executable, "-c", script, "--strict", *map(str, paths))
+
+
+def test_kubernetes_manifests_validate_against_the_schemas() -> None:
+    assert {p.name for p in MANIFESTS} >= {
+        "daemonset.yaml",
+        "daemonset-cuda-ipc.yaml",
+        "service.yaml",
+    }
+    done = _validate(*MANIFESTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("passed for resource") + done.stderr.count("passed for resource") == 4
+
+
+def test_the_validator_does_reject_a_bad_manifest(tmp_path: Path) -> None:
+    """Negative control: the same DaemonSet with a misspelt field fails."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        (DEPLOY / "kubernetes" / "daemonset.yaml").read_text().replace("readOnly:", "readonly:")
+    )
+    assert _validate(bad).returncode != 0
+
+
+def _daemonset(name: str) -> dict[str, Any]:
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / name).read_text()))
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    return ds
+
+
+@pytest.mark.parametrize(
+    ("name", "host_ipc"), [("daemonset.yaml", False), ("daemonset-cuda-ipc.yaml", True)]
+)
+def test_daemonset_shape(name: str, host_ipc: bool) -> None:
+    pod = _daemonset(name)["spec"]["template"]["spec"]
+    assert bool(pod.get("hostIPC")) is host_ipc
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["models"]["readOnly"] is True
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    args = container["args"]
+    health_port = int(args[args.index("--health-listen") + 1].rsplit(":", 1)[1])
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["grpc"]["port"] == health_port
+    # Admin is not in the socket directory the workers share.
+    admin = args[args.index("--admin-listen") + 1]
+    assert not admin.startswith("unix:///run/weightd/")
+
+
+def test_dockerfile_is_multi_stage_and_runs_unprivileged() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\w+)", text, re.MULTILINE)
+    assert len(stages) >= 2, stages
+    final = text[text.rindex("\nFROM ") :]
+    user = re.findall(r"^USER\s+(\S+)", final, re.MULTILINE)
+    assert user and not user[-1].startswith(("root", "0:", "0")), user
+    assert "COPY --from=build" in final
+
+
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    weightd = Path(sys.executable).with_name("weightd")
+    unit = tmp_path / "weightd.service"
+    unit.write_text(
+        (DEPLOY / "systemd" / "weightd.service")
+        .read_text()
+        .replace("/opt/weightd/bin/weightd", str(weightd))
+    )
+    done = _run(analyze, "verify", str(unit))
+    # systemd-analyze exits 0 even for unknown keys; anything it says is a problem.
+    assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
+    assert "ExecStart=" in unit.read_text() and "KillSignal=SIGTERM" in unit.read_text()

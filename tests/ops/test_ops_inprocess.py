@@ -1,0 +1,201 @@
+"""The daemon built in-process by its factory, with an injected metrics registry.
+
+Real gRPC over real sockets (and real TLS); the registry is read directly with
+``get_sample_value``, so every assertion is on an exact number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tests.ops.pki import Pki
+from weightd.client import (
+    AdminClient,
+    FailedPreconditionError,
+    NotFoundError,
+    PermissionDeniedError,
+    WeightClient,
+    tls_credentials,
+)
+from weightd.server.daemon import Daemon, ServeConfig, create_daemon, load_models
+from weightd.v1 import weightd_pb2 as pb
+from weightd.v1 import weightd_pb2_grpc as pb_grpc
+
+WEIGHTS = "weightd.v1.Weights"
+
+
+@contextlib.contextmanager
+def daemon_in_process(
+    tmp: Path, models: list[tuple[str | None, str]], **overrides: Any
+) -> Iterator[tuple[Daemon, CollectorRegistry]]:
+    registry = CollectorRegistry()
+    config = ServeConfig(
+        models=models,
+        listen=overrides.pop("listen", f"unix://{tmp}/run/weightd.sock"),
+        **overrides,
+    )
+    daemon = create_daemon(config, registry)
+    try:
+        load_models(daemon, config.models)
+        yield daemon, registry
+    finally:
+        daemon.stop(0)
+
+
+def test_metrics_follow_rpcs_and_memory(tmp_path: Path, demo_model: Path) -> None:
+    with daemon_in_process(tmp_path, [("llama", str(demo_model))]) as (daemon, reg):
+        with WeightClient(daemon.target, timeout=60) as client:
+            state = client.fetch(0, 2)
+            with pytest.raises(NotFoundError):
+                client.fetch(0, 2, model="nope")
+        sent = sum(t.numel() * t.element_size() for t in state.values())
+
+        def value(name: str, **labels: str) -> float | None:
+            return reg.get_sample_value(name, labels)
+
+        assert value("weightd_served_bytes_total", transport="grpc", model="llama") == sent
+        assert value("weightd_rpcs_total", service=WEIGHTS, method="Fetch", code="OK") == 1
+        assert value("weightd_rpcs_total", service=WEIGHTS, method="Fetch", code="NOT_FOUND") == 1
+        assert value("weightd_fetch_duration_seconds_count", transport="grpc") == 1
+        assert value("weightd_active_streams", service=WEIGHTS, method="Fetch") == 0
+        assert value("weightd_verification_duration_seconds_count", model="llama") == 1
+        assert value("weightd_model_ready", model="llama") == 1
+        # The made-up model name never became a label.
+        assert value("weightd_served_bytes_total", transport="grpc", model="nope") is None
+
+        shard_bytes = sum(p.stat().st_size for p in demo_model.glob("*.safetensors"))
+        mapped = value("weightd_model_mapped_bytes", model="llama")
+        resident = value("weightd_model_resident_bytes", model="llama")
+        assert mapped == shard_bytes
+        assert resident is not None and 0 < resident <= shard_bytes  # just read: cached
+        assert value("process_resident_memory_bytes") is not None
+        # No CUDA in this process: no GPU series at all (not zeros).
+        assert value("weightd_gpu_allocated_bytes", device="cuda:0") is None
+
+
+def test_admin_only_on_the_admin_listener_and_reload_swaps_only_on_success(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(demo_model, model)
+    with daemon_in_process(tmp_path, [("llama", str(model))]) as (daemon, reg):
+        assert daemon.admin_address is not None
+        admin_target = daemon.admin_address.grpc_target
+        assert os.stat(os.path.dirname(daemon.admin_address.path)).st_mode & 0o777 == 0o700
+
+        # Admin on the worker listener: refused, with the reason.
+        with (
+            AdminClient(daemon.target, timeout=30) as wrong,
+            pytest.raises(
+                PermissionDeniedError, match="served only on the daemon's admin listener"
+            ),
+        ):
+            wrong.reload("llama")
+        assert (
+            reg.get_sample_value(
+                "weightd_rpcs_total",
+                {"service": "weightd.v1.Admin", "method": "Reload", "code": "PERMISSION_DENIED"},
+            )
+            == 1
+        )
+
+        with AdminClient(admin_target, timeout=60) as admin:
+            result = admin.reload("llama")
+            assert result.model == "llama" and result.num_tensors > 0
+            assert (
+                reg.get_sample_value("weightd_reloads_total", {"model": "llama", "outcome": "ok"})
+                == 1
+            )
+
+            (model / "config.json").write_text("{broken")
+            with pytest.raises(FailedPreconditionError, match="not valid JSON"):
+                admin.reload("llama")
+            with pytest.raises(NotFoundError):
+                admin.reload("other")
+        labels = {"model": "llama", "reason": "config"}
+        assert reg.get_sample_value("weightd_verification_failures_total", labels) == 1
+        assert (
+            reg.get_sample_value("weightd_reloads_total", {"model": "llama", "outcome": "failed"})
+            == 1
+        )
+        # The verified version still serves.
+        with WeightClient(daemon.target, timeout=60) as client:
+            assert len(client.fetch(1, 2)) > 0
+
+
+def _raw_stub(target: str) -> tuple[grpc.Channel, pb_grpc.WeightsStub]:
+    # No BDP probing: the receive window stays small, so an unread stream really stalls.
+    channel = grpc.insecure_channel(target, options=[("grpc.http2.bdp_probe", 0)])
+    return channel, pb_grpc.WeightsStub(channel)
+
+
+def test_bounds_answer_resource_exhausted(tmp_path: Path, big_model: Path) -> None:
+    with daemon_in_process(
+        tmp_path, [("big", str(big_model))], max_concurrent_rpcs=1, max_workers=4
+    ) as (daemon, _):
+        channel, stub = _raw_stub(daemon.target)
+        with channel:
+            request = pb.FetchRequest(layout=pb.Layout(tp_size=1, tp_rank=0))
+            held = stub.Fetch(request, timeout=60)
+            next(held)  # the stream is running on the daemon and stays there, unread
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ListModels(pb.ListModelsRequest(), timeout=30)
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            held.cancel()
+
+    with daemon_in_process(tmp_path / "b", [("big", str(big_model))]) as (daemon, _):
+        channel, stub = _raw_stub(daemon.target)
+        with channel:
+            too_many = pb.FetchRequest(
+                layout=pb.Layout(tp_size=1, tp_rank=0), names=["blob"] * 70_000
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Fetch(too_many, timeout=30))
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "the limit is 65536 per fetch" in (info.value.details() or "")
+
+            huge = pb.FetchRequest(layout=pb.Layout(tp_size=1, tp_rank=0), names=["x" * (2 << 20)])
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Fetch(huge, timeout=30))
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_stream_time_cap_answers_deadline_exceeded(tmp_path: Path, big_model: Path) -> None:
+    with daemon_in_process(tmp_path, [("big", str(big_model))], max_stream_seconds=1e-6) as (
+        daemon,
+        reg,
+    ):
+        channel, stub = _raw_stub(daemon.target)
+        with channel:
+            request = pb.FetchRequest(layout=pb.Layout(tp_size=1, tp_rank=0))
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Fetch(request, timeout=60))
+        assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "--max-stream-seconds" in (info.value.details() or "")
+        labels = {"service": WEIGHTS, "method": "Fetch", "code": "DEADLINE_EXCEEDED"}
+        assert reg.get_sample_value("weightd_rpcs_total", labels) == 1
+
+
+def test_tls_only_listener(tmp_path: Path, demo_model: Path, pki: Pki) -> None:
+    with daemon_in_process(
+        tmp_path,
+        [("llama", str(demo_model))],
+        listen="127.0.0.1:0",
+        tls_cert=str(pki.server.cert),
+        tls_key=str(pki.server.key),
+    ) as (daemon, _):
+        creds = tls_credentials(ca=str(pki.ca))
+        with WeightClient(daemon.target, timeout=30, credentials=creds) as client:
+            assert client.list_models()[0].ready
+        with WeightClient(daemon.target, timeout=5) as plaintext, pytest.raises(Exception) as info:
+            plaintext.list_models()
+        assert getattr(info.value, "code", None) is grpc.StatusCode.UNAVAILABLE
