@@ -17,12 +17,14 @@ from .errors import (
     UnavailableError,
     WeightdError,
 )
+from .layout import Layout
 
 __all__ = [
     "DataLossError",
     "DeadlineExceededError",
     "FailedPreconditionError",
     "InvalidArgumentError",
+    "Layout",
     "ModelDescription",
     "ModelInfo",
     "NotFoundError",
