@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from types import FrameType
@@ -19,6 +20,8 @@ from weightd.v1 import weightd_pb2_grpc as pb_grpc
 from .errors import WeightdError
 from .listen import Address, ListenError, parse_address, prepare_unix_socket
 from .models import ModelRegistry, load_model
+from .rules import RuleTable
+from .rulesfile import load_rules_file
 from .service import DEFAULT_CHUNK_BYTES, WeightsService
 
 log = logging.getLogger("weightd")
@@ -44,6 +47,8 @@ class ServeConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     #: Seconds in-flight RPCs get to finish after SIGTERM.
     grace_seconds: float = 30.0
+    #: Sharding rules files (``--rules``), tried before the built-in tables.
+    rules_files: list[str] = field(default_factory=list)
     extra_options: list[tuple[str, int]] = field(default_factory=list)
 
 
@@ -125,20 +130,23 @@ def create_daemon(config: ServeConfig) -> Daemon:
     return daemon
 
 
-def load_models(daemon: Daemon, models: list[tuple[str | None, str]]) -> None:
+def load_models(
+    daemon: Daemon, models: list[tuple[str | None, str]], tables: Sequence[RuleTable] = ()
+) -> None:
     """Verify and publish each model; the first failure propagates (nothing half-published)."""
     for name, directory in models:
         daemon.registry.expect(name or os.path.basename(os.path.realpath(directory)))
     for name, directory in models:
-        daemon.registry.publish(load_model(directory, name))
+        daemon.registry.publish(load_model(directory, name, tables))
 
 
 def serve(config: ServeConfig) -> int:
     """Run until SIGTERM/SIGINT; a second signal aborts in-flight RPCs at once."""
+    tables = [load_rules_file(path) for path in config.rules_files]  # bad file: fail first
     daemon = create_daemon(config)
     log.info("listening on %s", daemon.target)
     try:
-        load_models(daemon, config.models)
+        load_models(daemon, config.models, tables)
     except WeightdError:
         daemon.stop(0)
         raise
