@@ -132,7 +132,9 @@ class RuleTable:
     model_types: frozenset[str]
     rules: tuple[Rule, ...]
     attention: AttentionFields | None = None
-    experts_field: str | None = None
+    #: config.json keys that may hold the expert count, first present wins (transformers
+    #: v5 writes Qwen3-MoE's as ``num_local_experts``, the hub's configs ``num_experts``).
+    experts_fields: tuple[str, ...] = ()
     layers_field: str = "num_hidden_layers"
     layer_pattern: str = DEFAULT_LAYER_PATTERN
     source: str = "built-in"
@@ -148,8 +150,9 @@ class RuleTable:
         """Read this table's counts from ``config``; ConfigError names a bad field."""
         attention = None if self.attention is None else attention_shape(config, self.attention)
         experts = None
-        if self.experts_field is not None:
-            experts = positive_int(config, self.experts_field)
+        if self.experts_fields:
+            key = next((k for k in self.experts_fields if k in config), self.experts_fields[0])
+            experts = positive_int(config, key)
         layers = config.get(self.layers_field)
         num_layers = None if layers is None else positive_int(config, self.layers_field)
         return ArchRules(

@@ -107,7 +107,7 @@ QWEN_MOE_DOC: Final[dict[str, Any]] = {
     "architectures": ["Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"],
     "model_types": ["qwen2_moe", "qwen3_moe"],
     "attention": {},
-    "experts": {"count": "num_experts"},
+    "experts": {"count": ["num_experts", "num_local_experts"]},
     "rules": [*_ATTENTION, *_MOE, *_DENSE_MLP, *_MODEL],
 }
 

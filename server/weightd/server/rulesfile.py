@@ -11,7 +11,7 @@ built-in one does. Example (every key except ``family``, ``rules`` and one of
       "model_types": ["my_llama"],
       "attention": {"num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
                     "head_dim": "head_dim", "hidden_size": "hidden_size"},
-      "experts": {"count": "num_local_experts"},
+      "experts": {"count": ["num_local_experts", "num_experts"]},
       "layers": {"count": "num_hidden_layers", "pattern": "(?:^|\\.)layers\\.(?P<layer>\\d+)\\."},
       "rules": [
         {"match": "\\.q_proj\\.weight$", "split": "q_heads"},
@@ -148,11 +148,22 @@ def parse_table(doc: object, path: str) -> RuleTable:
     if doc.get("attention") is not None:
         fields = _object(path, doc, "attention", frozenset(AttentionFields.__slots__))
         attention = AttentionFields(**fields)
-    experts_field = None
+    experts_fields: tuple[str, ...] = ()
     if doc.get("experts") is not None:
-        experts_field = _object(path, doc, "experts", frozenset({"count"})).get("count")
-        if experts_field is None:
-            raise RulesFileError(path, "experts.count must name the config field")
+        experts = doc["experts"]
+        if not isinstance(experts, dict) or set(experts) != {"count"}:
+            raise RulesFileError(path, "'experts' must be an object with just 'count'")
+        count = experts["count"]
+        keys = [count] if isinstance(count, str) else count
+        if (
+            not isinstance(keys, list)
+            or not keys
+            or not all(isinstance(k, str) and k for k in keys)
+        ):
+            raise RulesFileError(
+                path, "experts.count must name the config field (or list the fields) to read"
+            )
+        experts_fields = tuple(keys)
     layers_field, layer_pattern = "num_hidden_layers", DEFAULT_LAYER_PATTERN
     if doc.get("layers") is not None:
         layers = _object(path, doc, "layers", frozenset({"count", "pattern"}))
@@ -164,7 +175,7 @@ def parse_table(doc: object, path: str) -> RuleTable:
     if not isinstance(raw_rules, list) or not raw_rules:
         raise RulesFileError(path, "'rules' must be a non-empty list")
     rules = tuple(
-        _rule(path, i, r, attention is not None, experts_field is not None)
+        _rule(path, i, r, attention is not None, bool(experts_fields))
         for i, r in enumerate(raw_rules)
     )
     return RuleTable(
@@ -173,7 +184,7 @@ def parse_table(doc: object, path: str) -> RuleTable:
         model_types=types,
         rules=rules,
         attention=attention,
-        experts_field=experts_field,
+        experts_fields=experts_fields,
         layers_field=layers_field,
         layer_pattern=layer_pattern,
         source=path,
