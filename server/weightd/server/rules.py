@@ -14,12 +14,14 @@ import enum
 import functools
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from .errors import ConfigError
 from .quant import QuantScheme, parse_quantization
 
+#: Bound on remembered name matches per model (the largest checkpoints have ~100k tensors).
+MAX_CACHED_MATCHES: Final = 1 << 20
 #: Where the decoder-layer index sits in a tensor name, unless a table says otherwise.
 DEFAULT_LAYER_PATTERN: Final = r"(?:^|\.)layers\.(?P<layer>\d+)\."
 
@@ -97,14 +99,25 @@ class ArchRules:
     layer_pattern: str = DEFAULT_LAYER_PATTERN
     quant: QuantScheme | None = None
     source: str = "built-in"
+    #: name → first match, filled on use: every plan matches every tensor name, and a
+    #: model's names and rules never change (a reload binds new ArchRules).
+    _matches: dict[str, tuple[Rule, re.Match[str]] | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def rule_for(self, name: str) -> tuple[Rule, re.Match[str]] | None:
         """The first rule whose pattern matches ``name``, with its match."""
+        if name in self._matches:
+            return self._matches[name]
+        found = None
         for rule in self.rules:
             m = rule.search(name)
             if m is not None:
-                return rule, m
-        return None
+                found = (rule, m)
+                break
+        if len(self._matches) < MAX_CACHED_MATCHES:
+            self._matches[name] = found
+        return found
 
     def split_for(self, name: str) -> Split | None:
         found = self.rule_for(name)

@@ -27,7 +27,7 @@ def _where(name: str, axis: Axis, axis_word: str, geo: Geometry) -> str:
     return f"tensor {name!r} ({geo.label}): its {axis_word} dim"
 
 
-def _even(name: str, where: str, size: int, tp: int, rank: int) -> list[tuple[int, int]]:
+def _even(where: str, size: int, tp: int, rank: int) -> list[tuple[int, int]]:
     if size % tp:
         raise ShardingError(
             f"{where} of size {size} is not divisible by tensor-parallel world_size {tp}"
@@ -97,7 +97,7 @@ def logical_blocks(
     key = "in" if axis_word == "input" else "out"
     dim_label = axis.dim if geo.label == "dense" else axis_word
     if split in (Split.COLUMN, Split.VOCAB, Split.ROW):
-        return key, _even(name, where, size, tp, rank)
+        return key, _even(where, size, tp, rank)
     if split is Split.FUSED:
         if size % rule.parts:
             raise ShardingError(f"{where} of size {size} is not {rule.parts} equal fused parts")
