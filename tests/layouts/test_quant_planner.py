@@ -250,6 +250,15 @@ REJECT = [
         ("'gemv'",),
         id="awq-gemv-layout",
     ),
+    pytest.param(
+        "gptq",
+        {**GPTQ, "is_marlin_format": True},
+        {"model.layers.0.mlp.gate_proj": (64, 256)},
+        2,
+        UnsupportedQuantization,
+        ("'marlin'",),
+        id="gptq-marlin-tiles",
+    ),
 ]
 
 

@@ -99,6 +99,8 @@ def parse_quantization(config: Mapping[str, Any]) -> QuantScheme | None:
         fmt = qc.get("checkpoint_format", qc.get("version", "gptq" if method == "gptq" else "gemm"))
         if isinstance(fmt, str) and fmt.lower() not in ("gptq", "gptq_v2", "gemm"):
             problem = f"{method} checkpoint format {fmt!r} (only gptq, gptq_v2 and AWQ gemm)"
+        if qc.get("is_marlin_format"):  # AutoGPTQ's Marlin tiles are not row-major [in/8, out]
+            problem = f"{method} checkpoint format 'marlin' (only gptq, gptq_v2 and AWQ gemm)"
         desc = qc.get("desc_act", False)
         if not isinstance(desc, bool):
             raise ConfigError("config.json", f"quantization_config.desc_act is {desc!r}")
