@@ -8,6 +8,8 @@ with the restated TP cut (``restate``) of the whole module's dequantized weight.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,12 +19,14 @@ import torch
 from tests.layouts import quantfmt, restate
 from tests.layouts.fakes import DTYPES, Fake, fake_checkpoint
 from weightd.server.errors import (
+    ConfigError,
     QuantizationSplitError,
     ShardingError,
     UnsupportedQuantization,
     WeightdError,
 )
 from weightd.server.layout import Layout
+from weightd.server.quant import QuantScheme, geometry, parse_quantization
 from weightd.server.rules_builtin import rules_for
 from weightd.server.sharding import plan
 
@@ -312,3 +316,79 @@ def test_quantized_checkpoint_at_tp1_pp2_needs_no_cut() -> None:
         "model.layers.1.mlp.gate_proj.weight",
         "model.layers.1.mlp.gate_proj.weight_scale_inv",
     }
+
+
+# --- the quantization config and each tensor's geometry, refused precisely ----------------
+
+QC_BAD = [
+    ([], ConfigError, "quantization_config must be an object"),
+    ({"bits": 4}, ConfigError, "quant_method is None"),
+    ({"quant_method": "gptq", "bits": "4"}, ConfigError, "quantization_config.bits"),
+    ({"quant_method": "gptq", "bits": 4, "desc_act": "yes"}, ConfigError, "desc_act"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 0]}, ConfigError, "weight_block_size"),
+]
+
+
+@pytest.mark.parametrize(("qc", "error", "needle"), QC_BAD)
+def test_bad_quantization_config(qc: Any, error: type[WeightdError], needle: str) -> None:
+    with pytest.raises(error, match=re.escape(needle)):
+        parse_quantization({"quantization_config": qc})
+
+
+@pytest.mark.parametrize(
+    ("qc", "problem"),
+    [
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits=3"),
+        ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits=8"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 12}, "group_size 12"),
+        ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin'"),
+        ({"quant_method": "compressed-tensors"}, "'compressed-tensors'"),
+    ],
+)
+def test_schemes_that_cannot_be_sliced_say_why(qc: dict[str, Any], problem: str) -> None:
+    scheme = parse_quantization({"quantization_config": qc})
+    assert scheme is not None and problem in scheme.problem
+
+
+@dataclass
+class T:
+    shape: tuple[int, ...]
+
+
+GPTQ4 = QuantScheme("gptq", 4, 128)
+FP8B = QuantScheme("fp8", block=(128, 128))
+M = "m.layers.0.mlp.gate_proj"
+GEOMETRY_BAD = [
+    (f"{M}.scales", (2, 64), {}, GPTQ4, "no 2-D qweight"),
+    (f"{M}.scales", (2, 60), {f"{M}.qweight": T((32, 60))}, GPTQ4, "output dim 60"),
+    (f"{M}.scales", (2, 64), {f"{M}.qweight": T((12, 64))}, GPTQ4, "input dim 96"),
+    (f"{M}.qzeros", (2, 4), {f"{M}.qweight": T((32, 64))}, GPTQ4, "qzeros [in/group, out/8]"),
+    (f"{M}.g_idx", (128,), {f"{M}.qweight": T((32, 64))}, GPTQ4, "g_idx [in] = [256]"),
+    (f"{M}.bias", (32,), {f"{M}.qweight": T((32, 64))}, GPTQ4, "bias [out] = [64]"),
+    (f"{M}.weight_scale_inv", (1, 1), {f"{M}.qweight": T((32, 64))}, GPTQ4, "not part of a gptq"),
+    (f"{M}.weight_scale_inv", (2, 2), {}, FP8B, "no weight for its weight_scale_inv"),
+    (f"{M}.weight", (4, 4, 4), {f"{M}.weight_scale_inv": T((1, 1))}, FP8B, "must be 2-D"),
+    (f"{M}.weight", (256, 256), {f"{M}.weight_scale_inv": T((2, 2))}, FP8B, "is BF16"),
+    (f"{M}.weight_scale_inv", (2, 3), {f"{M}.weight": T((256, 256))}, FP8B, "= [2, 2]"),
+    (f"{M}.qweight", (2, 2), {f"{M}.weight": T((256, 256))}, FP8B, "not part of an fp8"),
+    (f"{M}.weight_scale", (64, 2), {f"{M}.weight": T((64, 64))}, QuantScheme("fp8"), "no known"),
+]
+
+
+@pytest.mark.parametrize(("name", "shape", "siblings", "scheme", "needle"), GEOMETRY_BAD)
+def test_tensor_geometry_refused(
+    name: str, shape: tuple[int, ...], siblings: dict[str, T], scheme: QuantScheme, needle: str
+) -> None:
+    tensors: dict[str, Any] = {name: T(shape), **siblings}
+    with pytest.raises(ShardingError) as info:
+        geometry(name, "BF16", shape, tensors, scheme)
+    assert f"tensor {name!r}" in str(info.value)
+    assert needle in str(info.value), str(info.value)
+
+
+def test_per_tensor_fp8_scales_are_whole_or_per_channel() -> None:
+    w = {f"{M}.weight": T((64, 32))}
+    scalar = geometry(f"{M}.input_scale", "F32", (), w, QuantScheme("fp8"))
+    assert scalar.out.dim is None and scalar.inn.dim is None
+    channel = geometry(f"{M}.weight_scale", "F32", (64, 1), w, QuantScheme("fp8"))
+    assert channel.out.dim == 0 and channel.inn.dim is None
