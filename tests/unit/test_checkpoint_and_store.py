@@ -955,9 +955,15 @@ def test_anchor_slices_reject_inconsistent_row_patterns(tmp_path: Path) -> None:
         t = ckpt.tensors["model.layers.0.self_attn.o_proj.weight"]  # BF16 [16, 16]
         digest = hash_checkpoint(ckpt, store)[t.name]
         p0 = block_pattern(t.offset, t.shape, 16, 1, [(0, 8)])
-        other_rows = RunPattern(t.offset, p0.stride, p0.count - 1, p0.segments)
+        # A peer with a different row stride cannot be a cut of the same grid of rows.
+        other_stride = RunPattern(t.offset, p0.stride // 2, p0.count * 2, ((0, 8),))
         with pytest.raises(DataIntegrityError, match="disagree on row layout"):
-            anchor_slices(store, t, digest, [p0, other_rows])
-        shifted = RunPattern(t.offset + 32, p0.stride, p0.count - 1, p0.segments)
-        with pytest.raises(DataIntegrityError, match="does not tile the tensor"):
-            anchor_slices(store, t, digest, [shifted])
+            anchor_slices(store, t, digest, [p0, other_stride])
+        # Rows may start later (stacked experts), but never off a row boundary or past
+        # the end of the tensor.
+        off_row = RunPattern(t.offset + 2, p0.stride, p0.count - 1, p0.segments)
+        with pytest.raises(DataIntegrityError, match="disagree on row layout"):
+            anchor_slices(store, t, digest, [off_row])
+        past_end = RunPattern(t.offset + p0.stride, p0.stride, p0.count, p0.segments)
+        with pytest.raises(DataIntegrityError, match="disagree on row layout"):
+            anchor_slices(store, t, digest, [past_end])

@@ -18,6 +18,7 @@ from .errors import (
     UnavailableError,
     WeightdError,
 )
+from .layout import Layout
 from .tls import tls_credentials
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "DeadlineExceededError",
     "FailedPreconditionError",
     "InvalidArgumentError",
+    "Layout",
     "ModelDescription",
     "ModelInfo",
     "NotFoundError",

@@ -30,6 +30,7 @@ from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .dtypes import torch_dtype
 from .errors import DataLossError, InvalidArgumentError, WeightdError, from_rpc_error
+from .layout import Layout
 
 #: Largest message the client accepts: the daemon caps tensor payload at 4 MiB per
 #: message; the rest is headroom for headers of many small tensors sharing a message.
@@ -189,19 +190,39 @@ class WeightClient:
         names: Iterable[str] | None = None,
         device: str | torch.device = "cpu",
     ) -> dict[str, torch.Tensor]:
-        """This rank's slice of every tensor (or of ``names``), digest-checked.
+        """This tensor-parallel rank's slice of every tensor (or of ``names``), digest-checked.
 
-        Raises a :class:`~weightd.client.errors.WeightdError` subclass carrying the
-        daemon's status code and detail; a partial result is never returned.
+        The shorthand of :meth:`fetch_layout` with ``Layout(tp_size=world_size,
+        tp_rank=rank)``. Raises a :class:`~weightd.client.errors.WeightdError` subclass
+        carrying the daemon's status code and detail; a partial result is never returned.
         """
         if world_size < 1 or not 0 <= rank < world_size:
             # Checked here too: a negative number cannot even be encoded as uint32.
             raise InvalidArgumentError(
                 f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
             )
+        return self.fetch_layout(
+            Layout(tp_size=world_size, tp_rank=rank), model=model, names=names, device=device
+        )
+
+    def fetch_layout(
+        self,
+        layout: Layout,
+        *,
+        model: str | None = None,
+        names: Iterable[str] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> dict[str, torch.Tensor]:
+        """Every tensor the worker at ``layout`` holds (or ``names``), sliced, digest-checked.
+
+        A pipeline stage receives only its layers' tensors (and the embeddings, norm and
+        head its position needs); an expert-parallel rank only its experts. Asking by
+        name for a tensor another worker holds is ``InvalidArgumentError``.
+        """
+        layout.check()
         request = pb.FetchRequest(
             model=model or "",
-            layout=pb.Layout(tp_size=world_size, tp_rank=rank),
+            layout=layout.to_proto(),
             names=list(names or ()),
             max_chunk_bytes=self.chunk_bytes,
         )

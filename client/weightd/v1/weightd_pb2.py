@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18weightd/v1/weightd.proto\x12\nweightd.v1\"\x13\n\x11ListModelsRequest\"k\n\x0cModelSummary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\r\x12\r\n\x05ready\x18\x05 \x01(\x08\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.weightd.v1.ModelSummary\"%\n\x14\x44\x65scribeModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"n\n\x11TensorDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05shard\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\"\x90\x01\n\x10ModelDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12.\n\x07tensors\x18\x04 \x03(\x0b\x32\x1d.weightd.v1.TensorDescription\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"*\n\x06Layout\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"i\n\x0c\x46\x65tchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.weightd.v1.Layout\x12\r\n\x05names\x18\x03 \x03(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\"p\n\x0bSliceHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x11\n\tsplit_dim\x18\x05 \x01(\r\x12\x12\n\nreplicated\x18\x06 \x01(\x08\"s\n\x0bTensorChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x06header\x18\x02 \x01(\x0b\x32\x17.weightd.v1.SliceHeader\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\"5\n\tFetchDone\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"]\n\rFetchResponse\x12\'\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x17.weightd.v1.TensorChunk\x12#\n\x04\x64one\x18\x02 \x01(\x0b\x32\x15.weightd.v1.FetchDone\"\x1e\n\rReloadRequest\x12\r\n\x05model\x18\x01 \x01(\t\"a\n\x0eReloadResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x16\n\x0everify_seconds\x18\x04 \x01(\x01\x32\xe7\x01\n\x07Weights\x12K\n\nListModels\x12\x1d.weightd.v1.ListModelsRequest\x1a\x1e.weightd.v1.ListModelsResponse\x12O\n\rDescribeModel\x12 .weightd.v1.DescribeModelRequest\x1a\x1c.weightd.v1.ModelDescription\x12>\n\x05\x46\x65tch\x12\x18.weightd.v1.FetchRequest\x1a\x19.weightd.v1.FetchResponse0\x01\x32H\n\x05\x41\x64min\x12?\n\x06Reload\x12\x19.weightd.v1.ReloadRequest\x1a\x1a.weightd.v1.ReloadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18weightd/v1/weightd.proto\x12\nweightd.v1\"\x13\n\x11ListModelsRequest\"k\n\x0cModelSummary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\r\x12\r\n\x05ready\x18\x05 \x01(\x08\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.weightd.v1.ModelSummary\"%\n\x14\x44\x65scribeModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"n\n\x11TensorDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05shard\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\"\x90\x01\n\x10ModelDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12.\n\x07tensors\x18\x04 \x03(\x0b\x32\x1d.weightd.v1.TensorDescription\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"\x81\x01\n\x06Layout\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_size\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x0f\n\x07\x65p_size\x18\x05 \x01(\r\x12\x0f\n\x07\x65p_rank\x18\x06 \x01(\r\x12\x11\n\tpp_layers\x18\x07 \x03(\r\"i\n\x0c\x46\x65tchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.weightd.v1.Layout\x12\r\n\x05names\x18\x03 \x03(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\"p\n\x0bSliceHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x11\n\tsplit_dim\x18\x05 \x01(\r\x12\x12\n\nreplicated\x18\x06 \x01(\x08\"s\n\x0bTensorChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x06header\x18\x02 \x01(\x0b\x32\x17.weightd.v1.SliceHeader\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\"5\n\tFetchDone\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"]\n\rFetchResponse\x12\'\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x17.weightd.v1.TensorChunk\x12#\n\x04\x64one\x18\x02 \x01(\x0b\x32\x15.weightd.v1.FetchDone\"\x1e\n\rReloadRequest\x12\r\n\x05model\x18\x01 \x01(\t\"a\n\x0eReloadResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x16\n\x0everify_seconds\x18\x04 \x01(\x01\x32\xe7\x01\n\x07Weights\x12K\n\nListModels\x12\x1d.weightd.v1.ListModelsRequest\x1a\x1e.weightd.v1.ListModelsResponse\x12O\n\rDescribeModel\x12 .weightd.v1.DescribeModelRequest\x1a\x1c.weightd.v1.ModelDescription\x12>\n\x05\x46\x65tch\x12\x18.weightd.v1.FetchRequest\x1a\x19.weightd.v1.FetchResponse0\x01\x32H\n\x05\x41\x64min\x12?\n\x06Reload\x12\x19.weightd.v1.ReloadRequest\x1a\x1a.weightd.v1.ReloadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,24 +43,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORDESCRIPTION']._serialized_end=383
   _globals['_MODELDESCRIPTION']._serialized_start=386
   _globals['_MODELDESCRIPTION']._serialized_end=530
-  _globals['_LAYOUT']._serialized_start=532
-  _globals['_LAYOUT']._serialized_end=574
-  _globals['_FETCHREQUEST']._serialized_start=576
-  _globals['_FETCHREQUEST']._serialized_end=681
-  _globals['_SLICEHEADER']._serialized_start=683
-  _globals['_SLICEHEADER']._serialized_end=795
-  _globals['_TENSORCHUNK']._serialized_start=797
-  _globals['_TENSORCHUNK']._serialized_end=912
-  _globals['_FETCHDONE']._serialized_start=914
-  _globals['_FETCHDONE']._serialized_end=967
-  _globals['_FETCHRESPONSE']._serialized_start=969
-  _globals['_FETCHRESPONSE']._serialized_end=1062
-  _globals['_RELOADREQUEST']._serialized_start=1064
-  _globals['_RELOADREQUEST']._serialized_end=1094
-  _globals['_RELOADRESPONSE']._serialized_start=1096
-  _globals['_RELOADRESPONSE']._serialized_end=1193
-  _globals['_WEIGHTS']._serialized_start=1196
-  _globals['_WEIGHTS']._serialized_end=1427
-  _globals['_ADMIN']._serialized_start=1429
-  _globals['_ADMIN']._serialized_end=1501
+  _globals['_LAYOUT']._serialized_start=533
+  _globals['_LAYOUT']._serialized_end=662
+  _globals['_FETCHREQUEST']._serialized_start=664
+  _globals['_FETCHREQUEST']._serialized_end=769
+  _globals['_SLICEHEADER']._serialized_start=771
+  _globals['_SLICEHEADER']._serialized_end=883
+  _globals['_TENSORCHUNK']._serialized_start=885
+  _globals['_TENSORCHUNK']._serialized_end=1000
+  _globals['_FETCHDONE']._serialized_start=1002
+  _globals['_FETCHDONE']._serialized_end=1055
+  _globals['_FETCHRESPONSE']._serialized_start=1057
+  _globals['_FETCHRESPONSE']._serialized_end=1150
+  _globals['_RELOADREQUEST']._serialized_start=1152
+  _globals['_RELOADREQUEST']._serialized_end=1182
+  _globals['_RELOADRESPONSE']._serialized_start=1184
+  _globals['_RELOADRESPONSE']._serialized_end=1281
+  _globals['_WEIGHTS']._serialized_start=1284
+  _globals['_WEIGHTS']._serialized_end=1515
+  _globals['_ADMIN']._serialized_start=1517
+  _globals['_ADMIN']._serialized_end=1589
 # @@protoc_insertion_point(module_scope)

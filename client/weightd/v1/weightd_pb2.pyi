@@ -186,26 +186,50 @@ Global___ModelDescription: _TypeAlias = ModelDescription  # noqa: Y015
 
 @_typing.final
 class Layout(_message.Message):
-    """A parallel layout. Only tensor parallelism is defined in v1 so far; pipeline and
-    expert parallel fields are added here (never elsewhere) when they land.
+    """A parallel layout: where one worker sits in (pipeline, expert, tensor) parallelism.
+    Non-expert tensors depend on (pp_rank, tp_rank) only; experts are owned by ep ranks
+    in contiguous blocks and split by tp inside. Fields 3-7 were added after 1-2: a
+    request that leaves them unset (0 / empty) asks for tensor parallelism only.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TP_SIZE_FIELD_NUMBER: _builtins.int
     TP_RANK_FIELD_NUMBER: _builtins.int
+    PP_SIZE_FIELD_NUMBER: _builtins.int
+    PP_RANK_FIELD_NUMBER: _builtins.int
+    EP_SIZE_FIELD_NUMBER: _builtins.int
+    EP_RANK_FIELD_NUMBER: _builtins.int
+    PP_LAYERS_FIELD_NUMBER: _builtins.int
     tp_size: _builtins.int
-    """world size; 0 is rejected"""
+    """tensor-parallel world size; 0 is rejected"""
     tp_rank: _builtins.int
+    pp_size: _builtins.int
+    """pipeline stages; 0 means 1"""
+    pp_rank: _builtins.int
+    ep_size: _builtins.int
+    """expert-parallel size; 0 means 1"""
+    ep_rank: _builtins.int
+    @_builtins.property
+    def pp_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Decoder layers per pipeline stage, in stage order (must sum to the model's
+        num_hidden_layers); empty: the default split (vLLM's).
+        """
+
     def __init__(
         self,
         *,
         tp_size: _builtins.int = ...,
         tp_rank: _builtins.int = ...,
+        pp_size: _builtins.int = ...,
+        pp_rank: _builtins.int = ...,
+        ep_size: _builtins.int = ...,
+        ep_rank: _builtins.int = ...,
+        pp_layers: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "ep_size", b"ep_size", "pp_layers", b"pp_layers", "pp_rank", b"pp_rank", "pp_size", b"pp_size", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -261,7 +285,7 @@ class SliceHeader(_message.Message):
     dtype: _builtins.str
     nbytes: _builtins.int
     split_dim: _builtins.int
-    """the dimension split across ranks"""
+    """the dimension split across tensor-parallel ranks"""
     replicated: _builtins.bool
     """true: every rank receives the whole tensor"""
     @_builtins.property

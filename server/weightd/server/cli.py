@@ -57,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--grace", type=float, default=30.0, help="seconds to drain after SIGTERM")
     s.add_argument("--cache-dir", default=None, help="where the demo checkpoint is created")
+    s.add_argument(
+        "--rules",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="sharding rules table (JSON) for an architecture (repeatable; before built-ins)",
+    )
     s.add_argument("--log-level", default="INFO")
     _add_ops_args(s)
 
@@ -69,6 +76,22 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True, help="output .safetensors file")
     f.add_argument("--timeout", type=float, default=None)
     _add_client_tls_args(f)
+
+    pl = sub.add_parser("plan", help="show each worker's share of a checkpoint under a layout")
+    pl.add_argument("directory", help="checkpoint directory (only headers are read)")
+    pl.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    pl.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    pl.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    pl.add_argument(
+        "--pp-layers",
+        type=_counts,
+        default=(),
+        metavar="N,N,...",
+        help="decoder layers per stage (default: vLLM's even split)",
+    )
+    pl.add_argument("--rules", action="append", default=[], metavar="FILE")
+    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--tensors", action="store_true", help="list every rank's tensors")
 
     ls = sub.add_parser("list", help="list the models a daemon serves")
     ls.add_argument("target")
@@ -162,6 +185,33 @@ def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
         raise WeightdError(str(exc)) from None
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .planreport import run_plan
+
+    print(
+        run_plan(
+            args.directory,
+            args.tp,
+            args.pp,
+            args.ep,
+            args.pp_layers,
+            args.rules,
+            json_out=args.json,
+            tensors=args.tensors,
+        )
+    )
+    return 0
+
+
 def _cache_dir(arg: str | None) -> str:
     from .demo import default_cache_dir
 
@@ -194,6 +244,7 @@ def _serve(args: argparse.Namespace) -> int:
         health_listen=args.health_listen,
         reflection=args.reflection,
         max_stream_seconds=args.max_stream_seconds,
+        rules_files=args.rules,
     )
     return serve(config)
 
@@ -312,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "fetch":
             return _fetch(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "list":
             return _list(args)
         if args.command == "describe":

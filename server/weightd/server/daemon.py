@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import IO
@@ -22,6 +23,8 @@ from .listen import Address, ListenError, parse_address, prepare_unix_socket
 from .loading import Reloader, load_observed
 from .metrics import Metrics, MetricsServer, serve_metrics
 from .models import ModelRegistry
+from .rules import RuleTable
+from .rulesfile import load_rules_file
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 from .service import DEFAULT_CHUNK_BYTES, WeightsService
 
@@ -48,6 +51,8 @@ class ServeConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     #: Seconds in-flight RPCs get to finish after SIGTERM.
     grace_seconds: float = 30.0
+    #: Sharding rules files (``--rules``), tried before the built-in tables.
+    rules_files: list[str] = field(default_factory=list)
     extra_options: list[tuple[str, int]] = field(default_factory=list)
     #: TLS for TCP listeners: certificate chain and key (PEM); with ``tls_client_ca``,
     #: clients must present a certificate signed by that CA (mutual TLS).
@@ -231,7 +236,9 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     return daemon
 
 
-def load_models(daemon: Daemon, models: list[tuple[str | None, str]]) -> None:
+def load_models(
+    daemon: Daemon, models: list[tuple[str | None, str]], tables: Sequence[RuleTable] = ()
+) -> None:
     """Verify and publish each model; the first failure propagates (nothing half-published)."""
     named = [(name or os.path.basename(os.path.realpath(d)), d) for name, d in models]
     for name, _ in named:
@@ -239,7 +246,7 @@ def load_models(daemon: Daemon, models: list[tuple[str | None, str]]) -> None:
         if daemon.metrics is not None:
             daemon.metrics.model_known(name)
     for name, directory in named:
-        model, _ = load_observed(directory, name, daemon.metrics)
+        model, _ = load_observed(directory, name, daemon.metrics, tables)
         daemon.registry.publish(model)
 
 
@@ -248,6 +255,7 @@ def serve(config: ServeConfig) -> int:
 
     Exit status: 0 after a drain (or a signal during start-up), 1 when aborted.
     """
+    tables = [load_rules_file(path) for path in config.rules_files]  # bad file: fail first
     signals = lifecycle.Signals.install()
     logs.event(
         "start",
@@ -259,7 +267,7 @@ def serve(config: ServeConfig) -> int:
     try:
         daemon = create_daemon(config)
         try:
-            load_models(daemon, config.models)
+            load_models(daemon, config.models, tables)
             signals.started()  # inside the try: a signal just before this still stops cleanly
         except BaseException:
             daemon.stop(0)

@@ -88,6 +88,32 @@ class NoShardingRules(WeightdError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class QuantizationSplitError(ShardingError):
+    """A split would cut a quantization group, a packed word or a scale block."""
+
+
+class TensorNotInLayout(InvalidRequest):
+    """A tensor asked for by name belongs to another pipeline stage or expert rank."""
+
+
+class UnsupportedQuantization(NoShardingRules):
+    """The checkpoint's quantization method has no slicing rules; only whole tensors."""
+
+
+class RulesFileError(WeightdError):
+    """A sharding rules table (a ``--rules`` file or a built-in one) is malformed.
+
+    Raised at start-up (``weightd serve``/``plan``), before any model is loaded.
+    """
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
 class ModelNotReady(WeightdError):
     """The model is still being verified, or is draining; retrying later can succeed."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
@@ -88,29 +88,49 @@ def anchor_slices(
                         h.update(view[a - lo : b - lo])
             pos += n
     else:
-        first = patterns[0]
-        if any(
-            (p.base, p.stride, p.count) != (first.base, first.stride, first.count) for p in patterns
+        # Strided patterns (row-parallel cuts, cuts inside stacked experts) share one row
+        # stride and start on a row of the tensor seen as a grid of such rows; they may
+        # start on different rows (stacked experts of different ep ranks). Contiguous
+        # patterns in the same partition are matched by offset, as above.
+        stride = next(p.stride for p in patterns if p.count > 1)
+        strided = [p.count > 1 for p in patterns]
+        if tensor.nbytes % stride or any(
+            s
+            and (
+                p.stride != stride
+                or (p.base - tensor.offset) % stride
+                or p.base < tensor.offset
+                or p.base - tensor.offset + p.count * stride > tensor.nbytes
+            )
+            for p, s in zip(patterns, strided, strict=True)
         ):
             raise DataIntegrityError(
                 f"tensor {tensor.name!r}: rank patterns disagree on row layout"
             )
-        if first.base != tensor.offset or first.stride * first.count != tensor.nbytes:
-            raise DataIntegrityError(
-                f"tensor {tensor.name!r}: row pattern does not tile the tensor"
-            )
-        rows_per_block = max(1, len(buf) // first.stride)
-        if rows_per_block * first.stride > len(buf):
-            buf = bytearray(first.stride)
+        rows_total = tensor.nbytes // stride
+        rows_per_block = max(1, len(buf) // stride)
+        if rows_per_block * stride > len(buf):
+            buf = bytearray(stride)
             view = memoryview(buf)
-        for row in range(0, first.count, rows_per_block):
-            rows = min(rows_per_block, first.count - row)
-            n = rows * first.stride
-            store.read_into(tensor.shard, tensor.offset + row * first.stride, view[:n])
+        for row in range(0, rows_total, rows_per_block):
+            rows = min(rows_per_block, rows_total - row)
+            n = rows * stride
+            lo = tensor.offset + row * stride
+            store.read_into(tensor.shard, lo, view[:n])
             whole.update(view[:n])
-            grid = np.frombuffer(buf, dtype=np.uint8, count=n).reshape(rows, first.stride)
-            for p, h in zip(patterns, hashers, strict=True):
-                parts = [grid[:, off : off + length] for off, length in p.segments]
+            grid = np.frombuffer(buf, dtype=np.uint8, count=n).reshape(rows, stride)
+            for p, h, s in zip(patterns, hashers, strided, strict=True):
+                if not s:
+                    for off, length in p.segments:
+                        a, b = max(lo, p.base + off), min(lo + n, p.base + off + length)
+                        if a < b:
+                            h.update(view[a - lo : b - lo])
+                    continue
+                first = (p.base - tensor.offset) // stride
+                a, b = max(row, first), min(row + rows, first + p.count)
+                if a >= b:
+                    continue
+                parts = [grid[a - row : b - row, off : off + length] for off, length in p.segments]
                 block = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
                 h.update(np.ascontiguousarray(block).data)
     store.check(tensor.shard)
@@ -124,22 +144,27 @@ def anchor_slices(
 
 
 class SliceAnchors:
-    """Cache of anchored slice digests, keyed by (tensor, layout); concurrent asks coalesce."""
+    """Cache of anchored slice digests, keyed by (tensor, partition); concurrent asks coalesce.
+
+    A partition (``sharding.Partition.key``) identifies one cut of a tensor and all its
+    peer slices, whatever pipeline stage or expert rank asks for them.
+    """
 
     def __init__(self, store: ShardStore, tensor_digests: dict[str, str]) -> None:
         self._store = store
         self._digests = tensor_digests
         self._lock = threading.Lock()
-        self._cache: dict[tuple[str, int], Future[list[str]]] = {}
+        self._cache: dict[tuple[str, Hashable], Future[list[str]]] = {}
 
     def get(
         self,
         tensor: TensorInfo,
-        world_size: int,
-        rank: int,
+        partition: Hashable,
+        index: int,
         patterns_for_all_ranks: Callable[[], Sequence[RunPattern]],
     ) -> str:
-        key = (tensor.name, world_size)
+        """The anchored digest of peer ``index`` of ``partition``'s cut of ``tensor``."""
+        key = (tensor.name, partition)
         with self._lock:
             future = self._cache.get(key)
             owner = future is None
@@ -158,4 +183,4 @@ class SliceAnchors:
                     del self._cache[key]
                 future.set_exception(exc)
                 raise
-        return future.result()[rank]
+        return future.result()[index]

@@ -15,21 +15,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import logs
 from .errors import InvalidRequest, ModelNotFound, ModelNotReady
 from .metrics import Metrics, failure_reason
 from .models import LoadedModel, ModelRegistry, load_model
+from .rules import RuleTable
 
 log = logging.getLogger("weightd")
 
 
-def load_observed(directory: str, name: str, metrics: Metrics | None) -> tuple[LoadedModel, float]:
+def load_observed(
+    directory: str, name: str, metrics: Metrics | None, tables: Sequence[RuleTable] = ()
+) -> tuple[LoadedModel, float]:
     """Load and verify one model; record the outcome. Returns the model and seconds taken."""
     started = time.monotonic()
     try:
-        model = load_model(directory, name)
+        model = load_model(directory, name, tables)
     except BaseException as exc:
         seconds = time.monotonic() - started
         reason = failure_reason(exc)
@@ -92,7 +96,9 @@ class Reloader:
             lock = self._locks.setdefault(current.name, threading.Lock())
         with lock:
             try:
-                new, seconds = load_observed(current.checkpoint.root, current.name, self._metrics)
+                new, seconds = load_observed(
+                    current.checkpoint.root, current.name, self._metrics, current.tables
+                )
             except Exception as exc:
                 if self._metrics is not None:
                     self._metrics.reloads.labels(current.name, "failed").inc()

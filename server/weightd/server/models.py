@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .checkpoint import Checkpoint, load_checkpoint
 from .errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady
 from .integrity import SliceAnchors, hash_checkpoint
-from .sharding import ArchRules, RankPlan, plan_rank, rules_for
+from .layout import Layout
+from .rules import RuleTable
+from .rules_builtin import rules_for
+from .sharding import ArchRules, RankPlan, plan
 from .store import ShardStore
 
 log = logging.getLogger("weightd.models")
@@ -28,30 +31,40 @@ class LoadedModel:
     tensor_digests: dict[str, str]
     anchors: SliceAnchors
     broken: str | None = None
-    _plans: dict[tuple[int, int], RankPlan] = field(default_factory=dict)
+    #: The ``--rules`` tables it was loaded with, so a reload applies the same rules.
+    tables: tuple[RuleTable, ...] = ()
+    _plans: dict[Layout, RankPlan] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.checkpoint.name
 
     def plan(self, world_size: int, rank: int, names: tuple[str, ...] = ()) -> RankPlan:
+        """The tensor-parallel-only shorthand of :meth:`plan_layout`."""
+        return self.plan_layout(Layout.tp(world_size, rank), names)
+
+    def plan_layout(self, layout: Layout, names: tuple[str, ...] = ()) -> RankPlan:
         if names:
-            return plan_rank(self.checkpoint, self.rules, world_size, rank, names)
-        key = (world_size, rank)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = plan_rank(self.checkpoint, self.rules, world_size, rank)
-            if len(self._plans) < MAX_CACHED_PLANS:  # world sizes are client-chosen: bound them
-                self._plans[key] = plan
-        return plan
+            return plan(self.checkpoint, self.rules, layout, names)
+        found = self._plans.get(layout)
+        if found is None:
+            found = plan(self.checkpoint, self.rules, layout)
+            if len(self._plans) < MAX_CACHED_PLANS:  # layouts are client-chosen: bound them
+                self._plans[layout] = found
+        return found
 
 
-def load_model(model_dir: str, name: str | None = None) -> LoadedModel:
-    """Open, parse, check and hash a checkpoint; the result is safe to publish."""
+def load_model(
+    model_dir: str, name: str | None = None, tables: Sequence[RuleTable] = ()
+) -> LoadedModel:
+    """Open, parse, check and hash a checkpoint; the result is safe to publish.
+
+    ``tables`` are the user's rules tables (``--rules``), tried before the built-ins.
+    """
     started = time.monotonic()
     ckpt, store = load_checkpoint(model_dir, name)
     try:
-        rules = rules_for(ckpt.config)
+        rules = rules_for(ckpt.config, tables)
         digests = hash_checkpoint(ckpt, store)
     except BaseException:
         store.close()
@@ -64,7 +77,9 @@ def load_model(model_dir: str, name: str | None = None) -> LoadedModel:
         len(ckpt.shards),
         time.monotonic() - started,
     )
-    return LoadedModel(ckpt, store, rules, digests, SliceAnchors(store, digests))
+    return LoadedModel(
+        ckpt, store, rules, digests, SliceAnchors(store, digests), tables=tuple(tables)
+    )
 
 
 class ModelRegistry:

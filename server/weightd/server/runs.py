@@ -32,6 +32,14 @@ class RunPattern:
     def nbytes(self) -> int:
         return self.count * self.row_bytes
 
+    @property
+    def span(self) -> int:
+        """Bytes of file from the first byte read to the last (what a rank touches on disk)."""
+        used = [(off, length) for off, length in self.segments if length]
+        if self.count == 0 or not used:
+            return 0
+        return (self.count - 1) * self.stride + used[-1][0] + used[-1][1] - used[0][0]
+
     def ranges(self) -> Iterator[tuple[int, int]]:
         """Every (file offset, length) in output order. For tests and small slices."""
         for i in range(self.count):

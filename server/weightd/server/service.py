@@ -15,8 +15,10 @@ from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .errors import DataIntegrityError, WeightdError, status_for
+from .layout import Layout
 from .models import LoadedModel, ModelRegistry
-from .sharding import RankPlan, TensorSlice, plan_rank
+from .runs import RunPattern
+from .sharding import RankPlan, TensorSlice, peer_slices
 
 log = logging.getLogger("weightd.service")
 
@@ -47,6 +49,19 @@ def unary(
             raise  # unreachable: abort raises
 
     return wrapper
+
+
+def layout_of(msg: pb.Layout) -> Layout:
+    """The wire layout; pipeline/expert fields left at 0 by older clients mean size 1."""
+    return Layout(
+        tp_size=msg.tp_size,
+        tp_rank=msg.tp_rank,
+        pp_size=msg.pp_size or 1,
+        pp_rank=msg.pp_rank,
+        ep_size=msg.ep_size or 1,
+        ep_rank=msg.ep_rank,
+        pp_layers=tuple(msg.pp_layers),
+    )
 
 
 class WeightsService(pb_grpc.WeightsServicer):
@@ -103,7 +118,7 @@ class WeightsService(pb_grpc.WeightsServicer):
         model: LoadedModel | None = None
         try:
             model = self.registry.get(request.model)
-            plan = model.plan(request.layout.tp_size, request.layout.tp_rank, tuple(request.names))
+            plan = model.plan_layout(layout_of(request.layout), tuple(request.names))
             chunk = request.max_chunk_bytes or self.chunk_bytes
             chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, chunk))
             yield from self._stream(model, plan, chunk, context)
@@ -115,19 +130,15 @@ class WeightsService(pb_grpc.WeightsServicer):
             _abort(context, exc, "Fetch")
 
     def _anchor(self, model: LoadedModel, s: TensorSlice, plan: RankPlan) -> str:
+        """The verified digest of ``s``: every peer slice of its cut, anchored together."""
         tensor = model.checkpoint.tensors[s.name]
-        if s.replicated:
-            return model.anchors.get(tensor, 1, 0, lambda: [s.pattern])
+        if s.partition.count == 1:
+            return model.anchors.get(tensor, s.partition.key, 0, lambda: [s.pattern])
 
-        def every_rank() -> list[TensorSlice]:
-            return [
-                plan_rank(model.checkpoint, model.rules, plan.world_size, r, (s.name,)).slices[0]
-                for r in range(plan.world_size)
-            ]
+        def every_peer() -> list[RunPattern]:
+            return [p.pattern for p in peer_slices(model.checkpoint, model.rules, s, plan.layout)]
 
-        return model.anchors.get(
-            tensor, plan.world_size, plan.rank, lambda: [x.pattern for x in every_rank()]
-        )
+        return model.anchors.get(tensor, s.partition.key, s.partition.index, every_peer)
 
     def _stream(
         self, model: LoadedModel, plan: RankPlan, chunk: int, context: grpc.ServicerContext

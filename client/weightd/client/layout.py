@@ -1,0 +1,57 @@
+"""The client's parallel layout: what a worker tells the daemon about where it sits.
+
+Mirrors the ``weightd.v1.Layout`` message. ``Layout(tp_size=4, tp_rank=1)`` is what
+``fetch(rank=1, world_size=4)`` sends; pipeline and expert parallel workers add
+``pp_size``/``pp_rank`` and ``ep_size``/``ep_rank``. The daemon checks the layout
+against the model; the client only refuses what the wire cannot carry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightd.v1 import weightd_pb2 as pb
+
+from .errors import InvalidArgumentError
+
+_UINT32 = 1 << 32
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    #: Decoder layers per pipeline stage, in stage order; empty: the daemon's default
+    #: even split (vLLM's). Must sum to the model's ``num_hidden_layers``.
+    pp_layers: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        """Refuse values a uint32 cannot carry or a rank outside its size."""
+        for size_name, rank_name in (
+            ("tp_size", "tp_rank"),
+            ("pp_size", "pp_rank"),
+            ("ep_size", "ep_rank"),
+        ):
+            size, rank = getattr(self, size_name), getattr(self, rank_name)
+            if not 1 <= size < _UINT32 or not 0 <= rank < size:
+                raise InvalidArgumentError(
+                    f"{rank_name} {rank} / {size_name} {size} is invalid: need "
+                    f"0 <= {rank_name} < {size_name}"
+                )
+        if any(not 0 <= n < _UINT32 for n in self.pp_layers):
+            raise InvalidArgumentError(f"pp_layers {list(self.pp_layers)} has an invalid count")
+
+    def to_proto(self) -> pb.Layout:
+        return pb.Layout(
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            pp_size=self.pp_size,
+            pp_rank=self.pp_rank,
+            ep_size=self.ep_size,
+            ep_rank=self.ep_rank,
+            pp_layers=list(self.pp_layers),
+        )
