@@ -216,7 +216,9 @@ CASES = [
         ("fused parts has size 6", "world_size 4"),
     ),
     (
-        change("llama", specs_over={"model.embed_tokens.weight": ("F4", (256, 3))}),
+        change(
+            "llama", specs_over={"model.embed_tokens.weight": ("F4", (6, 3))}
+        ),  # 3 rows of 3 F4 = 36 bits per rank
         Layout(2),
         ("model.embed_tokens.weight",),
         ShardingError,
