@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from .errors import DataIntegrityError
-from .paths import open_regular_file
+from .paths import open_confined
 from .runs import RunPattern
 
 #: Gaps between wanted segments up to this size are read into a scratch buffer so a
@@ -48,13 +48,16 @@ class OpenShard:
     path: str
     fd: int
     identity: FileIdentity
+    real_path: str = ""  # where the name resolved when opened (a cache blob, say)
 
 
 class ShardStore:
     """Owns the descriptors of one model's shards; thread-safe for concurrent reads."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, link_root: str | None = None) -> None:
         self.root = root
+        #: Where links may also resolve (a Hugging Face cache's blobs/); None: only root.
+        self.link_root = link_root
         self._shards: dict[str, OpenShard] = {}
         self._scratch = bytearray(MAX_GAP_BYTES)
         self._lock = threading.Lock()
@@ -64,8 +67,10 @@ class ShardStore:
         with self._lock:
             if name in self._shards:
                 return self._shards[name]
-            fd, st = open_regular_file(self.root, name)
-            shard = OpenShard(name, os.path.join(self.root, name), fd, FileIdentity.of(st))
+            f = open_confined(self.root, name, link_root=self.link_root)
+            shard = OpenShard(
+                name, os.path.join(self.root, name), f.fd, FileIdentity.of(f.stat), f.real_path
+            )
             self._shards[name] = shard
             return shard
 
