@@ -9,6 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .cli_trust import add_parsers as add_trust_parsers
+from .cli_trust import add_serve_options, run_manifest, run_verify, serve_verify_options
 from .errors import WeightdError
 from .listen import default_socket_path
 
@@ -55,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=30.0, help="seconds to drain after SIGTERM")
     s.add_argument("--cache-dir", default=None, help="where the demo checkpoint is created")
     s.add_argument("--log-level", default="INFO")
+    add_serve_options(s)
 
     f = sub.add_parser("fetch", help="fetch one rank's slices into a safetensors file")
     f.add_argument("target", help="daemon address, e.g. unix:///run/weightd/weightd.sock")
@@ -82,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         "demo-checkpoint", help="create (if needed) and print the demo checkpoint"
     )
     demo.add_argument("--cache-dir", default=None)
+    add_trust_parsers(sub)
     return p
 
 
@@ -100,6 +104,8 @@ def _serve(args: argparse.Namespace) -> int:
         path = ensure_demo_checkpoint(_cache_dir(args.cache_dir))
         log.info("no --model given: serving the built-in demo checkpoint at %s", path)
         models = [(DEMO_NAME, path)]
+    names = [name or os.path.basename(os.path.realpath(d)) for name, d in models]
+    verify = serve_verify_options(args, names, _cache_dir(args.cache_dir))
     config = ServeConfig(
         models=models,
         listen=args.listen or f"unix://{default_socket_path()}",
@@ -108,6 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         chunk_bytes=args.chunk_bytes,
         grace_seconds=args.grace,
+        verify=verify,
     )
     return serve(config)
 
@@ -215,6 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _describe(args)
         if args.command == "health":
             return _health(args)
+        if args.command == "verify":
+            return run_verify(args)
+        if args.command == "manifest":
+            return run_manifest(args)
         print(_demo_path(args))
         return 0
     except (WeightdError, ClientError) as exc:

@@ -19,7 +19,9 @@ from weightd.v1 import weightd_pb2_grpc as pb_grpc
 from .errors import WeightdError
 from .listen import Address, ListenError, parse_address, prepare_unix_socket
 from .models import ModelRegistry, load_model
+from .reload import Reloader
 from .service import DEFAULT_CHUNK_BYTES, WeightsService
+from .verify import VerifyOptions
 
 log = logging.getLogger("weightd")
 
@@ -45,6 +47,8 @@ class ServeConfig:
     #: Seconds in-flight RPCs get to finish after SIGTERM.
     grace_seconds: float = 30.0
     extra_options: list[tuple[str, int]] = field(default_factory=list)
+    #: Trust sources, hash cache and hashing threads for loading (and reloading) models.
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
 
 
 @dataclass
@@ -125,12 +129,16 @@ def create_daemon(config: ServeConfig) -> Daemon:
     return daemon
 
 
-def load_models(daemon: Daemon, models: list[tuple[str | None, str]]) -> None:
+def load_models(
+    daemon: Daemon,
+    models: list[tuple[str | None, str]],
+    options: VerifyOptions | None = None,
+) -> None:
     """Verify and publish each model; the first failure propagates (nothing half-published)."""
     for name, directory in models:
         daemon.registry.expect(name or os.path.basename(os.path.realpath(directory)))
     for name, directory in models:
-        daemon.registry.publish(load_model(directory, name))
+        daemon.registry.publish(load_model(directory, name, options=options))
 
 
 def serve(config: ServeConfig) -> int:
@@ -138,7 +146,7 @@ def serve(config: ServeConfig) -> int:
     daemon = create_daemon(config)
     log.info("listening on %s", daemon.target)
     try:
-        load_models(daemon, config.models)
+        load_models(daemon, config.models, config.verify)
     except WeightdError:
         daemon.stop(0)
         raise
@@ -158,6 +166,17 @@ def serve(config: ServeConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    reloader = Reloader(
+        daemon.registry,
+        {name or os.path.basename(os.path.realpath(d)): d for name, d in config.models},
+        config.verify,
+    )
+
+    def on_hangup(signum: int, frame: FrameType | None) -> None:
+        log.info("SIGHUP: reloading every model (old versions serve until the new one verifies)")
+        threading.Thread(target=reloader.reload_all, name="weightd-reload", daemon=True).start()
+
+    signal.signal(signal.SIGHUP, on_hangup)
     while not stop.wait(0.5):
         pass
     daemon.stop(config.grace_seconds)

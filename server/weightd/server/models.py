@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .checkpoint import Checkpoint, load_checkpoint
+from .checkpoint import Checkpoint
 from .errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady
-from .integrity import SliceAnchors, hash_checkpoint
+from .integrity import SliceAnchors
+from .manifest import FileDigest
 from .sharding import ArchRules, RankPlan, plan_rank, rules_for
 from .store import ShardStore
+from .verify import VerifyOptions, first_problem, verify_checkpoint
 
 log = logging.getLogger("weightd.models")
 MAX_CACHED_PLANS = 256
@@ -29,6 +32,10 @@ class LoadedModel:
     anchors: SliceAnchors
     broken: str | None = None
     _plans: dict[tuple[int, int], RankPlan] = field(default_factory=dict)
+    #: Size and SHA-256 of every file read (config, index, shards), as verified.
+    file_digests: dict[str, FileDigest] = field(default_factory=dict)
+    #: What the checkpoint was checked against (a signed manifest, cache blob names).
+    trust: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -46,13 +53,24 @@ class LoadedModel:
         return plan
 
 
-def load_model(model_dir: str, name: str | None = None) -> LoadedModel:
-    """Open, parse, check and hash a checkpoint; the result is safe to publish."""
+def load_model(
+    model_dir: str, name: str | None = None, *, options: VerifyOptions | None = None
+) -> LoadedModel:
+    """Open, parse, check and hash a checkpoint; the result is safe to publish.
+
+    Every check of :func:`~weightd.server.verify.verify_checkpoint` must pass (with
+    ``options`` naming the trust sources and the hash cache); otherwise the first
+    problem is raised, saying how many more there are, and nothing stays open.
+    """
     started = time.monotonic()
-    ckpt, store = load_checkpoint(model_dir, name)
+    v = verify_checkpoint(model_dir, name, options)
+    store = v.store
     try:
+        if v.checkpoint is None or v.problems:
+            raise first_problem(v.problems, model_dir)
+        ckpt = v.checkpoint
         rules = rules_for(ckpt.config)
-        digests = hash_checkpoint(ckpt, store)
+        digests = v.tensor_digests
     except BaseException:
         store.close()
         raise
@@ -64,7 +82,17 @@ def load_model(model_dir: str, name: str | None = None) -> LoadedModel:
         len(ckpt.shards),
         time.monotonic() - started,
     )
-    return LoadedModel(ckpt, store, rules, digests, SliceAnchors(store, digests))
+    for line in v.trust:
+        log.info("model %s matches %s", ckpt.name, line)
+    return LoadedModel(
+        ckpt,
+        store,
+        rules,
+        digests,
+        SliceAnchors(store, digests),
+        file_digests=v.files,
+        trust=tuple(v.trust),
+    )
 
 
 class ModelRegistry:
@@ -95,14 +123,19 @@ class ModelRegistry:
             self._models[model.name] = model
             self._loading.discard(model.name)
         if old is not None and old is not model:
-            old.store.close()
+            # Fetches still streaming from the old version hold a reference to it:
+            # close its files when the last one lets go, not under their feet.
+            weakref.finalize(old, old.store.close)
         self._notify(model.name, True)
 
     def mark_broken(self, model: LoadedModel, reason: str) -> None:
         if model.broken is None:
             model.broken = reason
             log.error("model %s stops serving: %s", model.name, reason)
-            self._notify(model.name, False)
+            with self._lock:
+                current = self._models.get(model.name) is model
+            if current:  # a replaced version breaking does not affect its successor
+                self._notify(model.name, False)
 
     def names(self) -> list[str]:
         with self._lock:
