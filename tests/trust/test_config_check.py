@@ -103,7 +103,9 @@ def test_every_kind_of_difference_is_reported() -> None:
     shapes["model.layers.0.self_attn.k_proj.weight"] = (16, 16)  # wrong kv heads
     shapes["model.layers.0.extra.weight"] = (3,)
     tensors = _tensors(shapes)
-    tensors["model.norm.weight"] = TensorInfo("model.norm.weight", "F32", (16,), "s.safetensors", 0, 0)
+    tensors["model.norm.weight"] = TensorInfo(
+        "model.norm.weight", "F32", (16,), "s.safetensors", 0, 0
+    )
     problems = check_layout("/m", _llama_config(), tensors).problems
     kinds = {type(p): str(p) for p in problems}
     assert set(kinds) == {

@@ -56,6 +56,14 @@ SIGNED_CONTEXT: Final = b"weightd-manifest-v1\x00"
 #: Largest manifest accepted (about 200 bytes per tensor: 64 MiB holds ~300k tensors).
 MAX_MANIFEST_BYTES: Final = 64 << 20
 _HEX64: Final = re.compile(r"^[0-9a-f]{64}$")
+_JSON_TYPES: Final[dict[type, str]] = {
+    dict: "object",
+    list: "array",
+    str: "string",
+    int: "integer",
+    bool: "boolean",
+    float: "number",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +153,10 @@ def dumps(document: Mapping[str, Any]) -> str:
 def _field(path: str, obj: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
     value = obj.get(key)
     if value is None or not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        got = "missing" if key not in obj else f"a {type(value).__name__}"
-        raise ManifestSchemaError(path, f"field {where}{key!r} must be a {kind.__name__}, is {got}")
+        got = "missing" if key not in obj else f"a JSON {_JSON_TYPES.get(type(value), 'value')}"
+        raise ManifestSchemaError(
+            path, f"field {where}{key!r} must be a JSON {_JSON_TYPES[kind]}, is {got}"
+        )
     return value
 
 

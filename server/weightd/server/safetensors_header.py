@@ -256,7 +256,7 @@ def parse_header(path: str, raw: bytes, file_size: int) -> Header:
             )
     dups = getattr(doc, "duplicates", ())
     if dups:
-        what = "__metadata__ key" if dups[0] == "__metadata__" else "tensor"
+        what = "object" if dups[0] == "__metadata__" else "tensor"
         raise DuplicateKeyError(
             path, f"duplicate {what} {dups[0]!r} in header (the reference parser keeps the last)"
         )
@@ -285,14 +285,12 @@ def parse_header(path: str, raw: bytes, file_size: int) -> Header:
         if e.begin != cursor:
             after = "the start of the data section" if previous is None else f"{previous.name!r}"
             if e.begin > cursor:
-                kind = f"a gap of {e.begin - cursor} bytes after {after}"
+                kind = f"leave a gap of {e.begin - cursor} bytes after {after}"
             elif previous is not None and (previous.begin, previous.end) == (e.begin, e.end):
-                kind = f"the same byte range as tensor {previous.name!r}"
+                kind = f"share their byte range with tensor {previous.name!r}"
             else:
-                kind = f"an overlap with {after}, which ends at {cursor}"
-            raise OffsetsError(
-                path, f"tensor {e.name!r}: data_offsets [{e.begin}, {e.end}] leave {kind}"
-            )
+                kind = f"overlap {after}, which ends at {cursor}"
+            raise OffsetsError(path, f"tensor {e.name!r}: data_offsets [{e.begin}, {e.end}] {kind}")
         cursor = e.end
         previous = e
     if cursor > data_len:
