@@ -67,22 +67,20 @@ class _TensorLane:
     """Feeds each block to the BLAKE3 of every tensor it overlaps, in file order."""
 
     def __init__(self, tensors: Sequence[TensorRange]) -> None:
-        self._tensors = sorted(tensors, key=lambda t: t.offset)
+        # Zero-byte tensors overlap no block (one may sit at the very end of the file):
+        # digest them now and keep only the others in the queue.
+        empty = format_digest("blake3", blake3.blake3().hexdigest())
+        self.digests: dict[str, str] = {t.name: empty for t in tensors if t.nbytes == 0}
+        self._tensors = sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset)
         self._next = 0
         self._active: list[tuple[TensorRange, blake3.blake3]] = []
-        self.digests: dict[str, str] = {}
-        # Zero-byte tensors never overlap a block: digest them now.
-        for t in self._tensors:
-            if t.nbytes == 0:
-                self.digests[t.name] = format_digest("blake3", blake3.blake3().hexdigest())
 
     def feed(self, offset: int, block: memoryview) -> None:
         end = offset + len(block)
         while self._next < len(self._tensors) and self._tensors[self._next].offset < end:
             t = self._tensors[self._next]
             self._next += 1
-            if t.nbytes:
-                self._active.append((t, blake3.blake3()))
+            self._active.append((t, blake3.blake3()))
         still: list[tuple[TensorRange, blake3.blake3]] = []
         for t, h in self._active:
             lo, hi = max(offset, t.offset), min(end, t.offset + t.nbytes)
@@ -96,7 +94,9 @@ class _TensorLane:
 
     def finish(self, path: str) -> dict[str, str]:
         if self._active or self._next < len(self._tensors):
-            missing = [t.name for t, _ in self._active]
+            missing = [t.name for t, _ in self._active] + [
+                t.name for t in self._tensors[self._next :]
+            ]
             raise DataIntegrityError(f"shard {path}: tensors {missing} end past the file")
         return self.digests
 
