@@ -161,6 +161,12 @@ def hash_shard(
             for i, offset in enumerate(range(0, job.size, block_bytes)):
                 if len(inflight) == len(buffers):
                     drain_one()  # frees buffers[i % depth], the oldest in flight
+                if fadvise and hasattr(os, "posix_fadvise"):
+                    # Ask the kernel to start reading the block after those in flight, so
+                    # the disk keeps busy while the lanes hash (a no-op when cached).
+                    ahead = offset + len(buffers) * block_bytes
+                    if ahead < job.size:
+                        os.posix_fadvise(job.fd, ahead, block_bytes, os.POSIX_FADV_WILLNEED)
                 view = memoryview(buffers[i % len(buffers)])[: min(block_bytes, job.size - offset)]
                 got = os.preadv(job.fd, [view], offset)
                 if got != len(view):
