@@ -58,6 +58,8 @@ class Daemon:
     registry: ModelRegistry
     health: health.HealthServicer
     lock: IO[str] | None
+    #: Reloads a served model atomically (SIGHUP; an admin RPC can call it too).
+    reloader: Reloader | None = None
 
     @property
     def target(self) -> str:
@@ -135,8 +137,10 @@ def load_models(
     options: VerifyOptions | None = None,
 ) -> None:
     """Verify and publish each model; the first failure propagates (nothing half-published)."""
-    for name, directory in models:
-        daemon.registry.expect(name or os.path.basename(os.path.realpath(directory)))
+    sources = {name or os.path.basename(os.path.realpath(d)): d for name, d in models}
+    daemon.reloader = Reloader(daemon.registry, sources, options)
+    for model_name in sources:
+        daemon.registry.expect(model_name)
     for name, directory in models:
         daemon.registry.publish(load_model(directory, name, options=options))
 
@@ -166,11 +170,8 @@ def serve(config: ServeConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    reloader = Reloader(
-        daemon.registry,
-        {name or os.path.basename(os.path.realpath(d)): d for name, d in config.models},
-        config.verify,
-    )
+    reloader = daemon.reloader
+    assert reloader is not None  # set by load_models
 
     def on_hangup(signum: int, frame: FrameType | None) -> None:
         log.info("SIGHUP: reloading every model (old versions serve until the new one verifies)")
