@@ -6,8 +6,9 @@ TinyLlama's widths in 4 shards, then measures in one run, so ratios are comparab
 * ceilings: memcpy into existing memory (numpy ``copyto``), single-thread
   ``hashlib.sha256`` and ``blake3`` over a buffer in memory, reading the checkpoint
   once from the page cache;
-* weightd's one-pass hashing (file SHA-256 + per-tensor BLAKE3, shards in parallel)
-  with the checkpoint in the page cache;
+* weightd's one-pass hashing with the checkpoint in the page cache: as ``weightd
+  verify`` does it (file SHA-256 + per-tensor BLAKE3, shards in parallel) and as a
+  plain ``weightd serve`` does it (per-tensor BLAKE3 only);
 * cold: each shard evicted from the page cache (``posix_fadvise(DONTNEED)``), then
   reading the checkpoint once, and — evicted again — a full ``verify_checkpoint``.
   Eviction is judged by time: a "cold" read not clearly slower than a warm one means
@@ -194,7 +195,10 @@ def main() -> int:
     # --- warm page cache ---
     read_once(files)
     out["read_warm_GBps"] = gb / timed(lambda: read_once(files), args.repeat)
-    quiet = VerifyOptions(progress=False)
+    # what `weightd verify` / a manifest check does: file SHA-256 + per-tensor BLAKE3
+    quiet = VerifyOptions(progress=False, file_sha256=True)
+    # what plain `weightd serve` does: per-tensor BLAKE3 only
+    serving = VerifyOptions(progress=False, file_sha256=False)
 
     def verify(options: VerifyOptions = quiet) -> None:
         v = verify_checkpoint(str(directory), None, options)
@@ -202,8 +206,18 @@ def main() -> int:
         assert v.ok, [str(p) for p in v.problems][:3]
 
     out["verify_warm_GBps"] = gb / timed(verify, args.repeat)
-    one = VerifyOptions(progress=False, threads=1)
+    # CPU efficiency, robust to other load on a shared machine: bytes per CPU-second
+    # spent (all threads) against the cost of the two hashes done back to back.
+    cpu = time.process_time()
+    verify()
+    out["verify_GB_per_cpu_s"] = gb / (time.process_time() - cpu)
+    out["sha256_then_blake3_GB_per_cpu_s"] = 1 / (
+        1 / float(out["sha256_1thread_GBps"]) + 1 / float(out["blake3_1thread_GBps"])
+    )
+    out["load_average_1min"] = os.getloadavg()[0]
+    one = VerifyOptions(progress=False, threads=1, file_sha256=True)
     out["verify_warm_1thread_GBps"] = gb / timed(lambda: verify(one), args.repeat)
+    out["load_blake3_only_warm_GBps"] = gb / timed(lambda: verify(serving), args.repeat)
 
     # --- cold: evicted before each run ---
     def cold(fn: Callable[[], object]) -> float:
@@ -217,6 +231,7 @@ def main() -> int:
 
     read_cold_s = cold(lambda: read_once(files))
     verify_cold_s = cold(verify)
+    out["load_blake3_only_cold_s"] = cold(lambda: verify(serving))
     out["read_cold_s"] = read_cold_s
     out["read_cold_GBps"] = gb / read_cold_s
     out["verify_cold_s"] = verify_cold_s

@@ -636,7 +636,7 @@ def manifest_of(model: Path) -> dict[str, Any]:
     from weightd.server.manifest import build_body
     from weightd.server.verify import VerifyOptions, verify_checkpoint
 
-    v = verify_checkpoint(str(model), None, VerifyOptions(progress=False))
+    v = verify_checkpoint(str(model), None, VerifyOptions(progress=False, file_sha256=True))
     v.store.close()
     assert v.ok and v.checkpoint is not None, [str(p) for p in v.problems]
     return build_body(v.checkpoint, v.files, v.tensor_digests)

@@ -220,3 +220,25 @@ def test_reporter_without_tty_logs(caplog: pytest.LogCaptureFixture) -> None:
         r.close()
     assert out.getvalue() == ""
     assert any("hashing m: " in m and "(10%)" in m for m in caplog.messages)
+
+
+def test_file_sha256_only_when_something_compares_it(tmp_path: Path) -> None:
+    from tests.trust import craft
+    from tests.trust.corpus import manifest_of
+    from weightd.server.verify import VerifyOptions, verify_checkpoint
+
+    d = craft.write_checkpoint(tmp_path / "m")
+    cache = str(tmp_path / "cache")
+    plain = verify_checkpoint(str(d), None, VerifyOptions(progress=False, hash_cache_dir=cache))
+    plain.store.close()
+    assert plain.ok and set(plain.files) == {"config.json", craft.INDEX}  # no shard SHA-256
+    manifest = tmp_path / "m.json"
+    manifest.write_text(json.dumps(manifest_of(d)))
+    options = VerifyOptions(progress=False, hash_cache_dir=cache, manifests={"": str(manifest)})
+    checked = verify_checkpoint(str(d), None, options)
+    checked.store.close()
+    # the cache entries lacked the file digest the manifest needs: hashed again
+    assert checked.ok and checked.cached_shards == [] and craft.SHARD1 in checked.files
+    again = verify_checkpoint(str(d), None, options)
+    again.store.close()
+    assert again.ok and sorted(again.cached_shards) == [craft.SHARD1, craft.SHARD2]

@@ -65,7 +65,7 @@ def test_transformers_checkpoints_verify_cleanly(
     transformers_models: dict[str, Path], model: str
 ) -> None:
     directory = transformers_models[model]
-    v = verify_checkpoint(str(directory), None, VerifyOptions(progress=False))
+    v = verify_checkpoint(str(directory), None, VerifyOptions(progress=False, file_sha256=True))
     v.store.close()
     assert v.ok, [str(p) for p in v.problems]
     for name, digest in v.files.items():
@@ -124,7 +124,7 @@ def flipped(
     tmp = tmp_path_factory.mktemp("flip")
     source = transformers_models["llama"]
     generate_keypair(str(tmp / "k"), str(tmp / "k.pub"))
-    v = verify_checkpoint(str(source), None, VerifyOptions(progress=False))
+    v = verify_checkpoint(str(source), None, VerifyOptions(progress=False, file_sha256=True))
     v.store.close()
     assert v.ok and v.checkpoint is not None
     manifest = tmp / "manifest.json"

@@ -179,6 +179,7 @@ def run_verify(args: argparse.Namespace) -> int:
         trust_hf_cache=args.trust_hf_cache,
         threads=args.hash_threads,
         progress=not args.json,
+        file_sha256=True,  # the report lists every file's SHA-256
     )
     v = verify_checkpoint(args.directory, None, options)
     try:
@@ -234,7 +235,9 @@ def run_manifest(args: argparse.Namespace) -> int:
         print(f"wrote {args.out_private} (private, 0600) and {args.out_public}: key {kid}")
         return 0
     private = load_private_key(args.sign_key) if args.sign_key else None
-    v = verify_checkpoint(args.directory, None, VerifyOptions(threads=args.hash_threads))
+    v = verify_checkpoint(
+        args.directory, None, VerifyOptions(threads=args.hash_threads, file_sha256=True)
+    )
     try:
         if not v.ok or v.checkpoint is None:
             for p in v.problems:

@@ -1,12 +1,16 @@
 """One pass over each shard: the file's SHA-256 and every tensor's BLAKE3 together.
 
 Why one pass: a cold checkpoint costs a disk read per byte; reading it twice (once
-per digest) would double the start-up time. Each shard is read once, in blocks,
-and each block is handed to two hashing lanes — one feeding the file's SHA-256
-(and, when asked, git's SHA-1), one feeding the BLAKE3 of the tensor(s) the block
-covers — while the next block is being read. ``preadv``, ``hashlib`` (for buffers
-over 2 KiB) and ``blake3`` (for long inputs) all release the GIL, so reading and
-both hashes really run at once, and several shards are hashed in parallel.
+per digest) would double the start-up time. Each shard is read once, in blocks, and
+each block is handed to two hashing lanes — one feeding the file's SHA-256 (and, when
+asked, git's SHA-1), one feeding the BLAKE3 of the tensor(s) the block covers — while
+the next block is being read. ``preadv``, ``hashlib`` (for buffers over 2 KiB) and
+``blake3`` (for long inputs) all release the GIL, so reading and both hashes really
+run at once, and several shards are hashed in parallel.
+
+The file SHA-256 is computed only when something will compare it (a manifest, cache
+blob names, ``weightd verify``): it costs about twice the per-tensor BLAKE3, which is
+all that serving itself needs.
 
 Memory stays bounded: ``depth`` blocks per shard in flight, ``threads`` shards at
 once. A shard is fstat-checked after its pass: a file that changed while it was
@@ -51,6 +55,7 @@ class ShardJob:
     size: int
     tensors: tuple[TensorRange, ...]
     git_sha1: bool = False  # also git's blob SHA-1 (a Hugging Face cache names some blobs so)
+    sha256: bool = True  # the file's SHA-256 (off when nothing will compare it)
     #: Called after the pass, to prove the file did not change while it was read.
     check: Callable[[], None] | None = None
 
@@ -58,7 +63,7 @@ class ShardJob:
 @dataclass(frozen=True)
 class ShardDigests:
     size: int
-    sha256: str  # hex
+    sha256: str  # hex; "" when not computed
     tensors: dict[str, str]  # name -> "blake3:<hex>"
     git_sha1: str = ""  # hex, when asked for
 
@@ -102,14 +107,19 @@ class _TensorLane:
 
 
 class _FileLane:
-    def __init__(self, size: int, git_sha1: bool) -> None:
-        self.sha256 = hashlib.sha256()
+    def __init__(self, size: int, sha256: bool, git_sha1: bool) -> None:
+        self.sha256 = hashlib.sha256() if sha256 else None
         self.sha1 = None
         if git_sha1:
             self.sha1 = hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
 
+    @property
+    def active(self) -> bool:
+        return self.sha256 is not None or self.sha1 is not None
+
     def feed(self, block: memoryview) -> None:
-        self.sha256.update(block)
+        if self.sha256 is not None:
+            self.sha256.update(block)
         if self.sha1 is not None:
             self.sha1.update(block)
 
@@ -139,16 +149,17 @@ def hash_shard(
     fadvise: bool = True,
 ) -> ShardDigests:
     """Read ``job``'s file once; return its SHA-256 and every tensor's BLAKE3."""
-    file_lane = _FileLane(job.size, job.git_sha1)
+    file_lane = _FileLane(job.size, job.sha256, job.git_sha1)
     tensor_lane = _TensorLane(job.tensors)
     buffers = [bytearray(block_bytes) for _ in range(max(1, depth))]
-    inflight: deque[tuple[int, Future[None], Future[None]]] = deque()
+    inflight: deque[tuple[int, Future[None] | None, Future[None]]] = deque()
     if fadvise and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(job.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
     def drain_one() -> None:
         n, a, b = inflight.popleft()
-        a.result()
+        if a is not None:
+            a.result()
         b.result()
         if progress is not None:
             progress.add(n)
@@ -178,7 +189,7 @@ def hash_shard(
                 inflight.append(
                     (
                         len(view),
-                        sha_lane.submit(file_lane.feed, view),
+                        sha_lane.submit(file_lane.feed, view) if file_lane.active else None,
                         b3_lane.submit(tensor_lane.feed, offset, view),
                     )
                 )
@@ -186,13 +197,14 @@ def hash_shard(
                 drain_one()
         finally:
             for _, a, b in inflight:  # on an error, let the lanes finish with the buffers
-                a.cancel()
+                if a is not None:
+                    a.cancel()
                 b.cancel()
     if job.check is not None:
         job.check()
     return ShardDigests(
         size=job.size,
-        sha256=file_lane.sha256.hexdigest(),
+        sha256=file_lane.sha256.hexdigest() if file_lane.sha256 is not None else "",
         tensors=tensor_lane.finish(job.path),
         git_sha1=file_lane.sha1.hexdigest() if file_lane.sha1 is not None else "",
     )

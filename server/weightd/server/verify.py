@@ -58,6 +58,9 @@ class VerifyOptions:
     threads: int | None = None
     #: Report hashing progress (a bar on a terminal, log lines otherwise).
     progress: bool = True
+    #: Compute each shard's SHA-256. None: only when a manifest or the cache blob
+    #: names will be compared with it (serving itself needs the per-tensor BLAKE3 only).
+    file_sha256: bool | None = None
 
     def manifest_for(self, name: str) -> str | None:
         return self.manifests.get(name) or self.manifests.get("")
@@ -174,13 +177,17 @@ def verify_checkpoint(
     if ckpt is None or v.problems or not trusted:
         v.notes.append("digests not computed: fix the problems above first")
         return v
+    need_sha256 = options.file_sha256
+    if need_sha256 is None:
+        need_sha256 = manifest is not None or snapshot is not None
     try:
-        shard_digests = _digests(v, ckpt, scan.store, options, snapshot is not None)
+        shard_digests = _digests(v, ckpt, scan.store, options, snapshot is not None, need_sha256)
     except WeightdError as exc:  # a shard changed or shrank while it was read
         v.problems.append(exc)
         return v
     for shard, d in shard_digests.items():
-        v.files[shard] = FileDigest(d.size, d.sha256)
+        if d.sha256:
+            v.files[shard] = FileDigest(d.size, d.sha256)
         v.tensor_digests.update(d.tensors)
     for small in ckpt.small_files.values():
         v.files[small.name] = FileDigest(small.size, small.sha256)
@@ -220,6 +227,7 @@ def _digests(
     store: ShardStore,
     options: VerifyOptions,
     need_git_sha1: bool,
+    need_sha256: bool,
 ) -> dict[str, ShardDigests]:
     """Every shard's digests, from the cache where its key still matches, else hashed."""
     ranges: dict[str, list[TensorRange]] = {s: [] for s in ckpt.shards}
@@ -235,7 +243,7 @@ def _digests(
         rs = tuple(sorted(ranges[shard], key=lambda r: r.offset))
         git = need_git_sha1 and blob_kind(opened.real_path) == "git_sha1"
         if cache is not None and not options.reverify:
-            hit = cache.lookup(shard, opened.real_path, opened.identity, rs, git)
+            hit = cache.lookup(shard, opened.real_path, opened.identity, rs, git, need_sha256)
             if hit is not None:
                 out[shard] = hit
                 v.cached_shards.append(shard)
@@ -248,6 +256,7 @@ def _digests(
                 opened.identity.size,
                 rs,
                 git_sha1=git,
+                sha256=need_sha256,
                 check=functools.partial(store.check, shard),
             )
         )
@@ -279,12 +288,13 @@ def _digests(
         )
     if jobs:
         log.info(
-            "hashed %s: %d shards, %.2f GiB in %.2fs (%.2f GB/s)%s",
+            "hashed %s: %d shards, %.2f GiB in %.2fs (%.2f GB/s, %s)%s",
             ckpt.name,
             len(jobs),
             total / (1 << 30),
             v.hash_seconds,
             total / v.hash_seconds / 1e9 if v.hash_seconds > 0 else 0.0,
+            "file SHA-256 and tensor BLAKE3" if need_sha256 else "tensor BLAKE3",
             f"; {len(v.cached_shards)} from the hash cache" if v.cached_shards else "",
         )
     elif v.cached_shards:
