@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,9 @@ def test_keys(tmp_path: Path, keys: tuple[Path, Path]) -> None:
         load_public_key(str(tmp_path / "missing.pub"))
     with pytest.raises(KeyFileError, match="not an unencrypted PEM"):
         load_private_key(str(keys[1]))
+    os.mkfifo(tmp_path / "fifo.pub")
+    with pytest.raises(KeyFileError, match="not a regular file"):
+        load_public_key(str(tmp_path / "fifo.pub"))
     # OpenSSH public key lines are accepted and identify the same key
     from cryptography.hazmat.primitives import serialization
 
