@@ -1,22 +1,35 @@
 """A checkpoint directory as an immutable description, built from strictly parsed files.
 
-:func:`describe` is pure: it combines the parsed config, index and shard headers and
-checks that every tensor appears in exactly one shard, where the index says.
-:func:`load_checkpoint` does the I/O: it opens each shard once (through the store,
-which keeps the descriptor) and reads only headers; tensor bytes are left alone.
+:func:`cross_check` is pure: it combines the index and shard headers and lists every
+tensor that is not in exactly one shard, where the index says. :func:`scan_checkpoint`
+does the I/O: it opens each file once (confined to the model directory; shards through
+the store, which keeps the descriptor), reads only headers and small JSON files, and
+collects every problem it can find rather than stopping at the first, so ``weightd
+verify`` can list them all. :func:`load_checkpoint` is the strict form: first problem
+raised, nothing returned.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from .errors import CheckpointError, ConfigError, IndexFileError, UnsafePathError
-from .paths import check_relative_name, open_regular_file
-from .safetensors_header import Header, header_length, parse_header
+from .errors import (
+    CheckpointError,
+    ConfigSyntaxError,
+    DuplicateTensorError,
+    IndexSchemaError,
+    IndexSyntaxError,
+    MissingFileError,
+    ShardAssignmentError,
+    ShardFormatError,
+    TotalSizeError,
+)
+from .paths import check_relative_name, open_confined
+from .safetensors_header import Header, header_length, parse_header, strict_json_loads
 from .store import ShardStore
 
 CONFIG_FILE: Final = "config.json"
@@ -37,6 +50,25 @@ class TensorInfo:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class SmallFile:
+    """A small JSON file as it was read: its digests are of the bytes that were parsed,
+    so a trust check cannot be fooled by a file swapped between hashing and parsing."""
+
+    name: str
+    size: int
+    sha256: str  # hex
+    git_sha1: str  # hex of git's blob id (how the Hugging Face cache names small files)
+    real_path: str
+
+
+def git_blob_sha1(data: bytes) -> str:
+    """Git's object id of a blob holding ``data``: SHA-1 of ``b"blob <len>\\0" + data``."""
+    h = hashlib.sha1(f"blob {len(data)}\0".encode(), usedforsecurity=False)
+    h.update(data)
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     name: str
@@ -46,6 +78,8 @@ class Checkpoint:
     tensors: Mapping[str, TensorInfo]  # in (shard, offset) order
     shards: tuple[str, ...]
     metadata: Mapping[str, str] = field(default_factory=dict)
+    #: config.json and the index, digested from the very bytes that were parsed.
+    small_files: Mapping[str, SmallFile] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -59,56 +93,165 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def _strict_json(path: str, raw: bytes, error: type[CheckpointError]) -> dict[str, Any]:
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise error(path, f"duplicate key {key!r}")
-            out[key] = value
-        return out
+def _first_duplicate(value: Any, where: str) -> tuple[str, str] | None:
+    """(where, key) of the first key that appears twice in any object of ``value``."""
+    if isinstance(value, dict):
+        dups = getattr(value, "duplicates", ())
+        if dups:
+            return where, dups[0]
+        for key, child in value.items():
+            found = _first_duplicate(child, f"{where}[{key!r}]" if where else repr(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, child in enumerate(value):
+            found = _first_duplicate(child, f"{where}[{i}]")
+            if found:
+                return found
+    return None
 
-    def constant(token: str) -> Any:
-        raise error(path, f"non-finite number {token} is not valid JSON")
 
+def _first_nonfinite(value: Any, where: str) -> tuple[str, str] | None:
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        token = getattr(value, "token", None)
+        return (where, token) if isinstance(token, str) and not isinstance(value, str) else None
+    for key, child in items:
+        found = _first_nonfinite(child, f"{where}[{key!r}]" if where else repr(key))
+        if found:
+            return found
+    return None
+
+
+def strict_json(path: str, raw: bytes, error: type[CheckpointError]) -> dict[str, Any]:
+    """Parse a small JSON file strictly: UTF-8, no duplicate keys, no NaN, an object."""
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=hook, parse_constant=constant)
-    except CheckpointError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        doc = strict_json_loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise error(path, f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except (ValueError, RecursionError) as exc:
         raise error(path, f"not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise error(path, f"must be a JSON object, got {type(doc).__name__}")
+    dup = _first_duplicate(doc, "")
+    if dup:
+        where = f" in {dup[0]}" if dup[0] else ""
+        raise error(path, f"duplicate key {dup[1]!r}{where}")
+    bad = _first_nonfinite(doc, "")
+    if bad:
+        raise error(path, f"field {bad[0]}: non-finite number {bad[1]} is not valid JSON")
     return doc
 
 
 def parse_config(path: str, raw: bytes) -> dict[str, Any]:
-    return _strict_json(path, raw, ConfigError)
+    return strict_json(path, raw, ConfigSyntaxError)
 
 
 def parse_index(root: str, raw: bytes) -> tuple[dict[str, str], dict[str, Any]]:
     """Return (weight_map, metadata) from the index bytes, with every file name confined."""
     path = os.path.join(root, INDEX_FILE)
-    doc = _strict_json(path, raw, IndexFileError)
+    doc = strict_json(path, raw, IndexSyntaxError)
     weight_map = doc.get("weight_map")
     if not isinstance(weight_map, dict):
-        raise IndexFileError(path, "missing 'weight_map' object")
+        got = "missing" if weight_map is None else f"a {type(weight_map).__name__}"
+        raise IndexSchemaError(path, f"field 'weight_map' must be an object, is {got}")
     if not weight_map:
-        raise IndexFileError(path, "'weight_map' is empty")
+        raise IndexSchemaError(path, "field 'weight_map' is empty")
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
-        raise IndexFileError(path, "'metadata' must be an object")
+        raise IndexSchemaError(
+            path, f"field 'metadata' must be an object, got {type(metadata).__name__}"
+        )
+    total = metadata.get("total_size")
+    if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total < 0):
+        raise IndexSchemaError(
+            path, f"field 'metadata.total_size' must be a non-negative integer, got {total!r}"
+        )
     for tensor, file in weight_map.items():
         if not isinstance(file, str):
-            raise IndexFileError(path, f"weight_map[{tensor!r}] must be a file name string")
+            raise IndexSchemaError(
+                path,
+                f"weight_map[{tensor!r}] must be a file name string, got {type(file).__name__}",
+            )
         check_relative_name(root, file, what=f"weight_map[{tensor!r}]")
         if not file.endswith(".safetensors"):
-            raise UnsafePathError(
+            raise ShardFormatError(
                 path,
                 f"weight_map[{tensor!r}] names {file!r}; only .safetensors shards are read "
                 "(pickle formats are never opened)",
             )
     return weight_map, metadata
+
+
+def cross_check(
+    root: str,
+    weight_map: Mapping[str, str] | None,
+    headers: Mapping[str, Header],
+    index_metadata: Mapping[str, Any] | None = None,
+) -> tuple[list[TensorInfo], list[CheckpointError]]:
+    """Every tensor of the shards, and every way the index and shards disagree. Pure.
+
+    With ``weight_map`` None the checkpoint is a single ``model.safetensors``.
+    """
+    index_path = os.path.join(root, INDEX_FILE)
+    problems: list[CheckpointError] = []
+    owner: dict[str, str] = {}
+    tensors: list[TensorInfo] = []
+    for shard, header in headers.items():
+        for e in header.entries:
+            if e.name in owner:
+                problems.append(
+                    DuplicateTensorError(
+                        os.path.join(root, shard),
+                        f"tensor {e.name!r} is also stored in {owner[e.name]}; each tensor must "
+                        "appear in exactly one shard",
+                    )
+                )
+                continue
+            owner[e.name] = shard
+            tensors.append(
+                TensorInfo(e.name, e.dtype, e.shape, shard, header.data_start + e.begin, e.nbytes)
+            )
+    if weight_map is not None:
+        for tensor, shard in weight_map.items():
+            if tensor not in owner:
+                if shard in headers:
+                    problems.append(
+                        ShardAssignmentError(
+                            index_path,
+                            f"weight_map[{tensor!r}] names {shard}, but that shard lacks it",
+                        )
+                    )
+            elif owner[tensor] != shard:
+                problems.append(
+                    ShardAssignmentError(
+                        index_path,
+                        f"weight_map[{tensor!r}] names {shard}, but it is stored in "
+                        f"{owner[tensor]}",
+                    )
+                )
+        for tensor, shard in owner.items():
+            if tensor not in weight_map:
+                problems.append(
+                    ShardAssignmentError(
+                        index_path,
+                        f"tensor {tensor!r} is stored in {shard} but missing from weight_map",
+                    )
+                )
+        total = (index_metadata or {}).get("total_size")
+        actual = sum(t.nbytes for t in tensors)
+        if total is not None and total != actual and len(headers) == len(set(weight_map.values())):
+            problems.append(
+                TotalSizeError(
+                    index_path, f"metadata.total_size is {total!r}, the tensors hold {actual} bytes"
+                )
+            )
+    shard_order = {s: i for i, s in enumerate(headers)}
+    tensors.sort(key=lambda t: (shard_order[t.shard], t.offset))
+    return tensors, problems
 
 
 def describe(
@@ -119,51 +262,15 @@ def describe(
     weight_map: Mapping[str, str] | None,
     headers: Mapping[str, Header],
     index_metadata: Mapping[str, Any] | None = None,
+    small_files: Mapping[str, SmallFile] | None = None,
 ) -> Checkpoint:
     """Cross-check the index against the shard headers and build the description.
 
-    With ``weight_map`` None the checkpoint is a single ``model.safetensors``.
+    Raises the first problem :func:`cross_check` finds.
     """
-    index_path = os.path.join(root, INDEX_FILE)
-    owner: dict[str, str] = {}
-    tensors: list[TensorInfo] = []
-    for shard, header in headers.items():
-        for e in header.entries:
-            if e.name in owner:
-                raise IndexFileError(
-                    os.path.join(root, shard),
-                    f"tensor {e.name!r} is also stored in {owner[e.name]}; each tensor must "
-                    "appear in exactly one shard",
-                )
-            owner[e.name] = shard
-            tensors.append(
-                TensorInfo(e.name, e.dtype, e.shape, shard, header.data_start + e.begin, e.nbytes)
-            )
-    if weight_map is not None:
-        for tensor, shard in weight_map.items():
-            if tensor not in owner:
-                raise IndexFileError(
-                    index_path, f"tensor {tensor!r} is mapped to {shard} but that shard lacks it"
-                )
-            if owner[tensor] != shard:
-                raise IndexFileError(
-                    index_path,
-                    f"tensor {tensor!r} is mapped to {shard} but is stored in {owner[tensor]}",
-                )
-        for tensor, shard in owner.items():
-            if tensor not in weight_map:
-                raise IndexFileError(
-                    index_path,
-                    f"tensor {tensor!r} is stored in {shard} but missing from weight_map",
-                )
-        total = (index_metadata or {}).get("total_size")
-        actual = sum(t.nbytes for t in tensors)
-        if total is not None and total != actual:
-            raise IndexFileError(
-                index_path, f"metadata.total_size is {total!r}, the tensors hold {actual} bytes"
-            )
-    shard_order = {s: i for i, s in enumerate(headers)}
-    tensors.sort(key=lambda t: (shard_order[t.shard], t.offset))
+    tensors, problems = cross_check(root, weight_map, headers, index_metadata)
+    if problems:
+        raise problems[0]
     metadata: dict[str, str] = {}
     for header in headers.values():
         metadata.update(header.metadata)
@@ -175,39 +282,23 @@ def describe(
         tensors={t.name: t for t in tensors},
         shards=tuple(headers),
         metadata=metadata,
+        small_files=dict(small_files or {}),
     )
 
 
-def _read_small(root: str, name: str, error: type[CheckpointError]) -> bytes:
-    """Read a small JSON file of the model: confined to the root, regular, size-capped.
-
-    Opened like a shard (no link leaving the root, no FIFO or device), so a planted
-    ``config.json`` can neither hang the loader nor leak a file from elsewhere through
-    DescribeModel.
-    """
+def read_small(root: str, name: str, link_root: str | None = None) -> tuple[bytes, SmallFile]:
+    """Read a small JSON file confined to ``root`` (a FIFO or a link out is refused)."""
+    opened = open_confined(root, name, link_root=link_root)
     path = os.path.join(root, name)
-    if not os.path.lexists(path):
-        raise error(path, "file does not exist")
-    fd, st = open_regular_file(root, name)
     try:
-        if st.st_size > MAX_JSON_BYTES:
-            raise error(path, f"is {st.st_size} bytes, over the {MAX_JSON_BYTES}-byte limit")
-        chunks = []
-        remaining = MAX_JSON_BYTES + 1
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
+        with os.fdopen(opened.fd, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
     except OSError as exc:
-        raise error(path, f"cannot read: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    raw = b"".join(chunks)
+        raise CheckpointError(path, f"cannot read: {exc.strerror}") from None
     if len(raw) > MAX_JSON_BYTES:
-        raise error(path, f"larger than the {MAX_JSON_BYTES}-byte limit")
-    return raw
+        raise CheckpointError(path, f"larger than the {MAX_JSON_BYTES}-byte limit")
+    digest = hashlib.sha256(raw).hexdigest()
+    return raw, SmallFile(name, len(raw), digest, git_blob_sha1(raw), opened.real_path)
 
 
 def read_header(store: ShardStore, shard: str) -> Header:
@@ -220,42 +311,94 @@ def read_header(store: ShardStore, shard: str) -> Header:
     return parse_header(opened.path, raw, size)
 
 
+@dataclass
+class Scan:
+    """What :func:`scan_checkpoint` found: a description when consistent, and every problem."""
+
+    root: str
+    name: str
+    store: ShardStore
+    config: dict[str, Any] | None
+    checkpoint: Checkpoint | None
+    problems: list[CheckpointError]
+    small_files: dict[str, SmallFile]
+    shard_names: list[str]
+
+
+def scan_checkpoint(
+    model_dir: str, name: str | None = None, *, link_root: str | None = None
+) -> Scan:
+    """Open and parse a checkpoint directory, collecting every problem it can.
+
+    Reading goes on past a problem where the rest does not depend on it: every shard
+    header is parsed even when one is broken. ``checkpoint`` is None when anything is
+    wrong. The caller owns ``store`` (closing it on failure).
+    """
+    root = os.path.realpath(model_dir)
+    model_name = name or os.path.basename(root)
+    store = ShardStore(root, link_root)
+    scan = Scan(root, model_name, store, None, None, [], {}, [])
+    if not os.path.isdir(root):
+        error = MissingFileError if not os.path.lexists(root) else CheckpointError
+        scan.problems.append(error(model_dir, "is not a directory"))
+        return scan
+    config_raw = b""
+    try:
+        config_raw, small = read_small(root, CONFIG_FILE, link_root)
+        scan.small_files[CONFIG_FILE] = small
+        scan.config = parse_config(os.path.join(root, CONFIG_FILE), config_raw)
+    except CheckpointError as exc:
+        scan.problems.append(exc)
+    weight_map: dict[str, str] | None = None
+    index_meta: dict[str, Any] | None = None
+    if os.path.lexists(os.path.join(root, INDEX_FILE)):
+        try:
+            raw, small = read_small(root, INDEX_FILE, link_root)
+            scan.small_files[INDEX_FILE] = small
+            weight_map, index_meta = parse_index(root, raw)
+        except CheckpointError as exc:
+            scan.problems.append(exc)
+            return scan
+        scan.shard_names = sorted(set(weight_map.values()))
+    elif os.path.lexists(os.path.join(root, SINGLE_FILE)):
+        scan.shard_names = [SINGLE_FILE]
+    else:
+        scan.problems.append(MissingFileError(root, f"has neither {INDEX_FILE} nor {SINGLE_FILE}"))
+        return scan
+    headers: dict[str, Header] = {}
+    for shard in scan.shard_names:
+        try:
+            headers[shard] = read_header(store, shard)
+        except CheckpointError as exc:
+            scan.problems.append(exc)
+    tensors, problems = cross_check(root, weight_map, headers, index_meta)
+    scan.problems.extend(problems)
+    if scan.problems or scan.config is None:
+        return scan
+    metadata: dict[str, str] = {}
+    for header in headers.values():
+        metadata.update(header.metadata)
+    scan.checkpoint = Checkpoint(
+        name=model_name,
+        root=root,
+        config=scan.config,
+        config_json=config_raw.decode("utf-8"),
+        tensors={t.name: t for t in tensors},
+        shards=tuple(headers),
+        metadata=metadata,
+        small_files=dict(scan.small_files),
+    )
+    return scan
+
+
 def load_checkpoint(model_dir: str, name: str | None = None) -> tuple[Checkpoint, ShardStore]:
     """Open a Hugging Face style checkpoint directory.
 
     On any error every descriptor opened so far is closed and nothing is returned,
     so a half-read checkpoint can never be published.
     """
-    root = os.path.realpath(model_dir)
-    if not os.path.isdir(root):
-        raise CheckpointError(model_dir, "is not a directory")
-    model_name = name or os.path.basename(root)
-    config_raw = _read_small(root, CONFIG_FILE, ConfigError)
-    config = parse_config(os.path.join(root, CONFIG_FILE), config_raw)
-    store = ShardStore(root)
-    try:
-        weight_map: dict[str, str] | None
-        index_meta: dict[str, Any] | None = None
-        if os.path.lexists(os.path.join(root, INDEX_FILE)):
-            raw = _read_small(root, INDEX_FILE, IndexFileError)
-            weight_map, index_meta = parse_index(root, raw)
-            shard_names = sorted(set(weight_map.values()))
-        elif os.path.lexists(os.path.join(root, SINGLE_FILE)):
-            weight_map = None
-            shard_names = [SINGLE_FILE]
-        else:
-            raise CheckpointError(root, f"has neither {INDEX_FILE} nor {SINGLE_FILE}")
-        headers = {shard: read_header(store, shard) for shard in shard_names}
-        ckpt = describe(
-            model_name,
-            root,
-            config,
-            config_raw.decode("utf-8"),
-            weight_map,
-            headers,
-            index_meta,
-        )
-    except BaseException:
-        store.close()
-        raise
-    return ckpt, store
+    scan = scan_checkpoint(model_dir, name)
+    if scan.problems or scan.checkpoint is None:
+        scan.store.close()
+        raise scan.problems[0]
+    return scan.checkpoint, scan.store

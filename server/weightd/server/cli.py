@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import grpc
 
+from .cli_trust import add_parsers as add_trust_parsers
+from .cli_trust import add_serve_options, run_manifest, run_verify, serve_verify_options
 from .errors import WeightdError
 from .listen import default_socket_path
 
@@ -66,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", default="INFO")
     _add_ops_args(s)
+    add_serve_options(s)
 
     f = sub.add_parser("fetch", help="fetch one rank's slices into a safetensors file")
     f.add_argument("target", help="daemon address, e.g. unix:///run/weightd/weightd.sock")
@@ -119,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
         "demo-checkpoint", help="create (if needed) and print the demo checkpoint"
     )
     demo.add_argument("--cache-dir", default=None)
+    add_trust_parsers(sub)
     return p
 
 
@@ -227,6 +231,8 @@ def _serve(args: argparse.Namespace) -> int:
         path = ensure_demo_checkpoint(_cache_dir(args.cache_dir))
         log.info("no --model given: serving the built-in demo checkpoint at %s", path)
         models = [(DEMO_NAME, path)]
+    names = [name or os.path.basename(os.path.realpath(d)) for name, d in models]
+    verify = serve_verify_options(args, names, _cache_dir(args.cache_dir))
     config = ServeConfig(
         models=models,
         listen=args.listen or f"unix://{default_socket_path()}",
@@ -245,6 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
         reflection=args.reflection,
         max_stream_seconds=args.max_stream_seconds,
         rules_files=args.rules,
+        verify=verify,
     )
     return serve(config)
 
@@ -356,7 +363,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .logs import setup_logging
 
     setup_logging(getattr(args, "log_level", "INFO"), json_lines=getattr(args, "log_json", False))
-    from weightd.client.errors import WeightdError as ClientError
+    # Only the client commands import the client (and so torch): verify, manifest and
+    # serve start seconds faster without it.
+    explained: tuple[type[Exception], ...] = (WeightdError,)
+    if args.command in ("fetch", "list", "describe", "reload"):
+        from weightd.client.errors import WeightdError as ClientError
+
+        explained = (WeightdError, ClientError)
 
     try:
         if args.command == "serve":
@@ -373,9 +386,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _health(args)
         if args.command == "reload":
             return _reload(args)
+        if args.command == "verify":
+            return run_verify(args)
+        if args.command == "manifest":
+            return run_manifest(args)
         print(_demo_path(args))
         return 0
-    except (WeightdError, ClientError) as exc:
+    except explained as exc:
         print(f"weightd {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

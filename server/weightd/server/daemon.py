@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import IO
 
 import grpc
@@ -27,6 +30,7 @@ from .rules import RuleTable
 from .rulesfile import load_rules_file
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 from .service import DEFAULT_CHUNK_BYTES, WeightsService
+from .verify import VerifyOptions
 
 log = logging.getLogger("weightd")
 
@@ -73,6 +77,8 @@ class ServeConfig:
     reflection: bool = False
     #: Longest a Fetch stream may run, whatever deadline the client set (0: no cap).
     max_stream_seconds: float = 3600.0
+    #: Trust sources, hash cache and hashing threads for loading (and reloading) models.
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
 
 
 @dataclass
@@ -89,6 +95,7 @@ class Daemon:
     admin_address: Address | None = None
     health_server: grpc.Server | None = None
     health_address: Address | None = None
+    #: Reloads a served model atomically (SIGHUP, and the admin Reload RPC).
     reloader: Reloader | None = None
     watchdog: StreamWatchdog | None = None
     locks: list[IO[str]] = field(default_factory=list)
@@ -202,13 +209,18 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             watchdog=watchdog,
             locks=locks,
         )
+        daemon.reloader = Reloader(
+            registry,
+            metrics,
+            sources={n or os.path.basename(os.path.realpath(d)): d for n, d in config.models},
+            options=config.verify,
+        )
         daemon.address = listeners.bind(server, address, tls, "worker")
         if warning:
             log.warning("%s", warning)
         if admin_address is not None:
             if admin_address.kind == "unix":
                 locks.append(prepare_unix_socket(admin_address.path))
-            daemon.reloader = Reloader(registry, metrics)
             daemon.admin_server = listeners.admin_server(daemon.reloader, observer, allowed)
             daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
         if config.health_listen is not None:
@@ -237,7 +249,10 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
 
 
 def load_models(
-    daemon: Daemon, models: list[tuple[str | None, str]], tables: Sequence[RuleTable] = ()
+    daemon: Daemon,
+    models: list[tuple[str | None, str]],
+    tables: Sequence[RuleTable] = (),
+    options: VerifyOptions | None = None,
 ) -> None:
     """Verify and publish each model; the first failure propagates (nothing half-published)."""
     named = [(name or os.path.basename(os.path.realpath(d)), d) for name, d in models]
@@ -246,7 +261,7 @@ def load_models(
         if daemon.metrics is not None:
             daemon.metrics.model_known(name)
     for name, directory in named:
-        model, _ = load_observed(directory, name, daemon.metrics, tables)
+        model, _ = load_observed(directory, name, daemon.metrics, tables, options)
         daemon.registry.publish(model)
 
 
@@ -267,7 +282,7 @@ def serve(config: ServeConfig) -> int:
     try:
         daemon = create_daemon(config)
         try:
-            load_models(daemon, config.models, tables)
+            load_models(daemon, config.models, tables, config.verify)
             signals.started()  # inside the try: a signal just before this still stops cleanly
         except BaseException:
             daemon.stop(0)
@@ -275,6 +290,14 @@ def serve(config: ServeConfig) -> int:
     except lifecycle.ShutdownRequested as stop:
         logs.event("exit", status=0, reason=f"signal {stop.signum} during start-up")
         return 0
+    reloader = daemon.reloader
+    if reloader is not None:
+
+        def on_hangup(signum: int, frame: FrameType | None) -> None:
+            log.info("SIGHUP: reloading every model (old versions serve until new ones verify)")
+            threading.Thread(target=reloader.reload_all, name="weightd-reload", daemon=True).start()
+
+        signal.signal(signal.SIGHUP, on_hangup)
     logs.event("serving", models=",".join(daemon.registry.names()), target=daemon.target)
     signals.wait()
     status = lifecycle.drain(daemon, config.grace_seconds, signals)

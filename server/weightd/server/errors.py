@@ -59,6 +59,186 @@ class UnsafePathError(CheckpointError):
     """A file name would leave the model directory or names a non-regular file."""
 
 
+# Each rule family below has its own type, so a caller (and a test) can tell exactly
+# which rule a file broke; all of them are CheckpointErrors (never published).
+
+
+class HeaderLengthError(HeaderError):
+    """The 8-byte length prefix: file too short, length over the cap or past the file."""
+
+
+class HeaderEncodingError(HeaderError):
+    """The header bytes are not UTF-8."""
+
+
+class HeaderSyntaxError(HeaderError):
+    """The header is not JSON, or not a JSON object."""
+
+
+class NonFiniteNumberError(HeaderError):
+    """``NaN`` / ``Infinity`` in a header: Python's json accepts them, JSON does not."""
+
+
+class DuplicateKeyError(HeaderError):
+    """A tensor, ``__metadata__`` or field key appears twice (the reference keeps the last)."""
+
+
+class TensorNameError(HeaderError):
+    """A tensor name is empty, over-long or contains control characters."""
+
+
+class TensorEntryError(HeaderError):
+    """A tensor entry is not an object, or lacks or adds a field."""
+
+
+class DtypeError(HeaderError):
+    """A dtype safetensors does not define."""
+
+
+class ShapeError(HeaderError):
+    """A shape that is not a list of non-negative integers, or whose size overflows."""
+
+
+class OffsetsError(HeaderError):
+    """``data_offsets`` malformed, reversed, or leaving gaps, overlaps or shared ranges."""
+
+
+class ByteSizeError(HeaderError):
+    """A tensor's byte range disagrees with its shape times its dtype's size."""
+
+
+class AlignmentError(HeaderError):
+    """A tensor's offset is not a multiple of its element size (policy: rejected)."""
+
+
+class DataSectionError(HeaderError):
+    """The data section is truncated, or has trailing bytes after the last tensor."""
+
+
+class MetadataError(HeaderError):
+    """``__metadata__`` is not an object of strings."""
+
+
+class IndexSyntaxError(IndexFileError):
+    """The index is not strict JSON (not UTF-8, duplicate keys, NaN) or not an object."""
+
+
+class IndexSchemaError(IndexFileError):
+    """The index lacks ``weight_map`` or has a field of the wrong type."""
+
+
+class ShardAssignmentError(IndexFileError):
+    """A tensor is not in the shard the index names, or is in a shard but not the index."""
+
+
+class DuplicateTensorError(IndexFileError):
+    """A tensor name is stored in two shards."""
+
+
+class TotalSizeError(IndexFileError):
+    """``metadata.total_size`` differs from the bytes the tensors hold."""
+
+
+class ShardFormatError(IndexFileError):
+    """A shard that is not ``.safetensors`` (pickle formats are code; never opened)."""
+
+
+class PathEscapeError(UnsafePathError):
+    """A name or link that would leave the model directory (absolute, ``..``, drive, ...)."""
+
+
+class NotRegularFileError(UnsafePathError):
+    """A FIFO, device, socket or directory where a regular file is expected."""
+
+
+class MissingFileError(CheckpointError):
+    """A file the checkpoint needs does not exist."""
+
+
+class ConfigSyntaxError(ConfigError):
+    """``config.json`` is not strict JSON or not an object."""
+
+
+class ConfigFieldError(ConfigError):
+    """A ``config.json`` field the layout needs is missing or has an impossible value."""
+
+
+class LayoutError(CheckpointError):
+    """The tensors disagree with the parameters ``config.json`` implies."""
+
+
+class MissingTensorError(LayoutError):
+    """A parameter the config implies is in no shard."""
+
+
+class UnexpectedTensorError(LayoutError):
+    """A tensor the config does not account for."""
+
+
+class TensorShapeError(LayoutError):
+    """A tensor's shape differs from the config's (transposed or otherwise)."""
+
+
+class TensorDtypeError(LayoutError):
+    """A tensor's dtype differs from the config's ``torch_dtype`` / ``dtype``."""
+
+
+class ManifestError(CheckpointError):
+    """A trusted manifest is malformed or does not describe the checkpoint."""
+
+
+class ManifestSyntaxError(ManifestError):
+    """The manifest is not strict JSON or not an object."""
+
+
+class ManifestSchemaError(ManifestError):
+    """The manifest lacks a field, has one of the wrong type, or an unknown version."""
+
+
+class ManifestMismatchError(ManifestError):
+    """The checkpoint has files or tensors the manifest lacks, or the reverse, or another
+    dtype, shape or shard for a tensor."""
+
+
+class DigestMismatchError(CheckpointError):
+    """Bytes on disk do not hash to the trusted digest or size (a manifest's, or a Hugging
+    Face cache blob's name). Nothing is served."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class SignatureError(CheckpointError):
+    """A manifest signature is missing, invalid or made by a key that is not trusted."""
+
+
+class KeyFileError(SignatureError):
+    """A key file is unreadable or not an Ed25519 key of the expected kind."""
+
+
+class UnsignedManifestError(SignatureError):
+    """A trust key was given but the manifest carries no signature."""
+
+
+class UntrustedKeyError(SignatureError):
+    """The manifest is signed, but by a key not among the trusted ones."""
+
+
+class BadSignatureError(SignatureError):
+    """The signature does not verify: the manifest was changed after signing."""
+
+
+class HFCacheError(CheckpointError):
+    """A directory used as a Hugging Face cache snapshot is not laid out as one."""
+
+
+class NotASnapshotError(HFCacheError):
+    """The model directory is not ``.../models--ORG--NAME/snapshots/REVISION``."""
+
+
+class BlobLinkError(HFCacheError):
+    """A file in the snapshot is not a link to a content-named blob of that repository."""
+
+
 # --- serving ----------------------------------------------------------------------
 
 

@@ -15,25 +15,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from . import logs
-from .errors import InvalidRequest, ModelNotFound, ModelNotReady
+from .errors import InvalidRequest, ModelNotFound, ModelNotReady, WeightdError
 from .metrics import Metrics, failure_reason
 from .models import LoadedModel, ModelRegistry, load_model
 from .rules import RuleTable
+from .verify import VerifyOptions
 
 log = logging.getLogger("weightd")
 
 
 def load_observed(
-    directory: str, name: str, metrics: Metrics | None, tables: Sequence[RuleTable] = ()
+    directory: str,
+    name: str,
+    metrics: Metrics | None,
+    tables: Sequence[RuleTable] = (),
+    options: VerifyOptions | None = None,
 ) -> tuple[LoadedModel, float]:
     """Load and verify one model; record the outcome. Returns the model and seconds taken."""
     started = time.monotonic()
     try:
-        model = load_model(directory, name, tables)
+        model = load_model(directory, name, tables, options=options)
     except BaseException as exc:
         seconds = time.monotonic() - started
         reason = failure_reason(exc)
@@ -64,12 +69,36 @@ class ReloadResult:
     seconds: float
 
 
-class Reloader:
-    """Reloads one model at a time per name; concurrent reloads of one model queue."""
+@dataclass(frozen=True)
+class ReloadOutcome:
+    """How one model's reload went, for SIGHUP's reload of every model."""
 
-    def __init__(self, registry: ModelRegistry, metrics: Metrics | None = None) -> None:
+    name: str
+    ok: bool
+    detail: str  # what was published, or why not
+    seconds: float
+
+
+class Reloader:
+    """Reloads one model at a time per name; concurrent reloads of one model queue.
+
+    ``sources`` maps model names to the directories they were configured with (not the
+    resolved path), so a directory that is a symlink flipped to a new version is
+    followed again on reload. ``options`` are the trust and hash-cache options.
+    """
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        metrics: Metrics | None = None,
+        *,
+        sources: Mapping[str, str] | None = None,
+        options: VerifyOptions | None = None,
+    ) -> None:
         self._registry = registry
         self._metrics = metrics
+        self._sources = dict(sources or {})
+        self._options = options
         self._guard = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
 
@@ -96,8 +125,9 @@ class Reloader:
             lock = self._locks.setdefault(current.name, threading.Lock())
         with lock:
             try:
+                directory = self._sources.get(current.name, current.checkpoint.root)
                 new, seconds = load_observed(
-                    current.checkpoint.root, current.name, self._metrics, current.tables
+                    directory, current.name, self._metrics, current.tables, self._options
                 )
             except Exception as exc:
                 if self._metrics is not None:
@@ -123,3 +153,22 @@ class Reloader:
             seconds=seconds,
         )
         return ReloadResult(new, seconds)
+
+    def reload_all(self) -> list[ReloadOutcome]:
+        """Reload every published model, each independently (SIGHUP); never raises."""
+        outcomes = []
+        for model in self._registry.models():
+            started = time.monotonic()
+            try:
+                result = self.reload(model.name)
+            except Exception as exc:  # logged by reload(); the old version keeps serving
+                if not isinstance(exc, WeightdError):
+                    log.exception("reload of model %s failed", model.name)
+                outcomes.append(
+                    ReloadOutcome(model.name, False, str(exc), time.monotonic() - started)
+                )
+                continue
+            ckpt = result.model.checkpoint
+            detail = f"{len(ckpt.tensors)} tensors, {ckpt.total_bytes} bytes"
+            outcomes.append(ReloadOutcome(model.name, True, detail, result.seconds))
+        return outcomes

@@ -27,6 +27,7 @@ EVENTS: Final = frozenset(
 
 _EVENT_ATTR: Final = "weightd_event"
 _FIELDS_ATTR: Final = "weightd_fields"
+_OURS_ATTR: Final = "weightd_cli_handler"
 
 
 def format_value(value: Any) -> str:
@@ -83,17 +84,42 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time of each record.
+
+    A handler that captured the stream object at set-up would keep writing to a
+    replaced (and maybe closed) one when ``cli.main`` runs more than once in a process.
+    """
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass
+
+
 def setup_logging(
     level: str = "INFO", *, json_lines: bool = False, stream: TextIO | None = None
 ) -> None:
-    """Configure the root logger once, for the CLI (text, or JSON lines with ``--log-json``)."""
-    handler = logging.StreamHandler(stream or sys.stderr)
+    """Configure the root logger for the CLI (text, or JSON lines with ``--log-json``).
+
+    Replaces only a handler this function installed before, so calling it again (the
+    CLI run in-process, as tests do) neither duplicates lines nor removes handlers that
+    others attached.
+    """
+    handler: logging.Handler = (
+        logging.StreamHandler(stream) if stream is not None else _StderrHandler()
+    )
+    setattr(handler, _OURS_ATTR, True)
     if json_lines:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        if getattr(old, _OURS_ATTR, False):
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)

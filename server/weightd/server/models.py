@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .checkpoint import Checkpoint, load_checkpoint
+from .checkpoint import Checkpoint
 from .errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady
-from .integrity import SliceAnchors, hash_checkpoint
+from .integrity import SliceAnchors
 from .layout import Layout
+from .manifest import FileDigest
 from .rules import RuleTable
 from .rules_builtin import rules_for
 from .sharding import ArchRules, RankPlan, plan
 from .store import ShardStore
+from .verify import VerifyOptions, first_problem, verify_checkpoint
 
 log = logging.getLogger("weightd.models")
 MAX_CACHED_PLANS = 256
@@ -34,6 +36,10 @@ class LoadedModel:
     #: The ``--rules`` tables it was loaded with, so a reload applies the same rules.
     tables: tuple[RuleTable, ...] = ()
     _plans: dict[Layout, RankPlan] = field(default_factory=dict)
+    #: Size and SHA-256 of every file read (config, index, shards), as verified.
+    file_digests: dict[str, FileDigest] = field(default_factory=dict)
+    #: What the checkpoint was checked against (a signed manifest, cache blob names).
+    trust: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -55,30 +61,41 @@ class LoadedModel:
 
 
 def load_model(
-    model_dir: str, name: str | None = None, tables: Sequence[RuleTable] = ()
+    model_dir: str,
+    name: str | None = None,
+    tables: Sequence[RuleTable] = (),
+    *,
+    options: VerifyOptions | None = None,
 ) -> LoadedModel:
     """Open, parse, check and hash a checkpoint; the result is safe to publish.
 
     ``tables`` are the user's rules tables (``--rules``), tried before the built-ins.
+    Every check of :func:`~weightd.server.verify.verify_checkpoint` must pass (with
+    ``options`` naming the trust sources and the hash cache); otherwise the first
+    problem is raised, saying how many more there are, and nothing stays open.
     """
-    started = time.monotonic()
-    ckpt, store = load_checkpoint(model_dir, name)
+    v = verify_checkpoint(model_dir, name, options)
+    store = v.store
     try:
+        if v.checkpoint is None or v.problems:
+            raise first_problem(v.problems, model_dir)
+        ckpt = v.checkpoint
         rules = rules_for(ckpt.config, tables)
-        digests = hash_checkpoint(ckpt, store)
+        digests = v.tensor_digests
     except BaseException:
         store.close()
         raise
-    log.info(
-        "verified model %s: %d tensors, %d bytes in %d shards, %.2fs",
-        ckpt.name,
-        len(ckpt.tensors),
-        ckpt.total_bytes,
-        len(ckpt.shards),
-        time.monotonic() - started,
-    )
+    for line in v.trust:
+        log.info("model %s matches %s", ckpt.name, line)
     return LoadedModel(
-        ckpt, store, rules, digests, SliceAnchors(store, digests), tables=tuple(tables)
+        ckpt,
+        store,
+        rules,
+        digests,
+        SliceAnchors(store, digests),
+        tables=tuple(tables),
+        file_digests=v.files,
+        trust=tuple(v.trust),
     )
 
 
@@ -110,14 +127,19 @@ class ModelRegistry:
             self._models[model.name] = model
             self._loading.discard(model.name)
         if old is not None and old is not model:
-            old.store.close()
+            # Fetches still streaming from the old version hold a reference to it:
+            # close its files when the last one lets go, not under their feet.
+            weakref.finalize(old, old.store.close)
         self._notify(model.name, True)
 
     def mark_broken(self, model: LoadedModel, reason: str) -> None:
         if model.broken is None:
             model.broken = reason
             log.error("model %s stops serving: %s", model.name, reason)
-            self._notify(model.name, False)
+            with self._lock:
+                current = self._models.get(model.name) is model
+            if current:  # a replaced version breaking does not affect its successor
+                self._notify(model.name, False)
 
     def names(self) -> list[str]:
         with self._lock:

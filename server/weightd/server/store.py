@@ -5,7 +5,7 @@ with ``pread``/``preadv`` on descriptors opened at load time, never by touching 
 file mapping. A file truncated under us therefore gives a short read (an error we
 raise as DATA_LOSS), not SIGBUS. A file replaced by rename leaves our descriptor on
 the old inode, so we keep serving the verified bytes. A file rewritten in place
-changes its mtime, which :meth:`ShardStore.check` compares after every read, and its
+changes its ctime, which :meth:`ShardStore.check` compares after every read, and its
 bytes no longer hash to the verified digests, which the service checks per slice.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from .errors import DataIntegrityError
-from .paths import open_regular_file
+from .paths import open_confined
 from .runs import RunPattern
 
 #: Gaps between wanted segments up to this size are read into a scratch buffer so a
@@ -29,14 +29,7 @@ _IOV_MAX: Final = 1024
 
 @dataclass(frozen=True, slots=True)
 class FileIdentity:
-    """What ``fstat`` says about a file at verification time.
-
-    ``ctime`` is recorded but not compared: it also moves when nothing about the bytes
-    changed (a rename over the path or an unlink drops the link count; a chmod), and the
-    daemon must keep serving its verified inode then. A write changes ``mtime``; a write
-    whose mtime was forged back is still caught, by the per-slice digest comparison
-    every served byte goes through.
-    """
+    """What ``fstat`` says about a file; any change means the bytes may have changed."""
 
     dev: int
     ino: int
@@ -55,13 +48,17 @@ class OpenShard:
     path: str
     fd: int
     identity: FileIdentity
+    real_path: str = ""  # where the name resolved when opened (a cache blob, say)
+    nlink: int = 1  # links when opened: unlinking (a rename over the path) changes ctime
 
 
 class ShardStore:
     """Owns the descriptors of one model's shards; thread-safe for concurrent reads."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, link_root: str | None = None) -> None:
         self.root = root
+        #: Where links may also resolve (a Hugging Face cache's blobs/); None: only root.
+        self.link_root = link_root
         self._shards: dict[str, OpenShard] = {}
         self._scratch = bytearray(MAX_GAP_BYTES)
         self._lock = threading.Lock()
@@ -71,8 +68,15 @@ class ShardStore:
         with self._lock:
             if name in self._shards:
                 return self._shards[name]
-            fd, st = open_regular_file(self.root, name)
-            shard = OpenShard(name, os.path.join(self.root, name), fd, FileIdentity.of(st))
+            f = open_confined(self.root, name, link_root=self.link_root)
+            shard = OpenShard(
+                name,
+                os.path.join(self.root, name),
+                f.fd,
+                FileIdentity.of(f.stat),
+                f.real_path,
+                f.stat.st_nlink,
+            )
             self._shards[name] = shard
             return shard
 
@@ -96,13 +100,24 @@ class ShardStore:
     def check(self, name: str) -> None:
         """Raise DataIntegrityError when the shard is no longer the file we verified."""
         shard = self._shards[name]
-        now = FileIdentity.of(os.fstat(shard.fd))
-        was = shard.identity
-        if (now.dev, now.ino, now.size, now.mtime_ns) != (was.dev, was.ino, was.size, was.mtime_ns):
+        st = os.fstat(shard.fd)
+        now = FileIdentity.of(st)
+        if now != shard.identity:
+            was = shard.identity
+            if st.st_nlink < shard.nlink and (now.dev, now.ino, now.size, now.mtime_ns) == (
+                was.dev,
+                was.ino,
+                was.size,
+                was.mtime_ns,
+            ):
+                # Unlinked (e.g. a new version renamed over the path): that changes the
+                # ctime of the inode we hold, not its bytes; they are still checked
+                # against their digests before they leave.
+                return
             if now.size != was.size:
                 what = f"size changed from {was.size} to {now.size} bytes"
             else:
-                what = "it was modified in place (mtime changed)"
+                what = "it was modified in place (ctime/mtime changed)"
             raise DataIntegrityError(f"shard {shard.path} changed since it was verified: {what}")
 
     def _short(self, shard: OpenShard, offset: int, want: int, got: int) -> DataIntegrityError:
