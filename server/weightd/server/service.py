@@ -129,6 +129,10 @@ class WeightsService(pb_grpc.WeightsServicer):
             tensor, plan.world_size, plan.rank, lambda: [x.pattern for x in every_rank()]
         )
 
+    def slice_anchor(self, model: LoadedModel, s: TensorSlice, plan: RankPlan) -> str:
+        """The anchored digest of ``s``; rank packs are checked against the same anchors."""
+        return self._anchor(model, s, plan)
+
     def _stream(
         self, model: LoadedModel, plan: RankPlan, chunk: int, context: grpc.ServicerContext
     ) -> Iterator[pb.FetchResponse]:
