@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from .errors import WeightdError
 from .listen import default_socket_path
+from .transports.options import add_arguments as add_local_arguments
 
 log = logging.getLogger("weightd")
 
@@ -55,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=30.0, help="seconds to drain after SIGTERM")
     s.add_argument("--cache-dir", default=None, help="where the demo checkpoint is created")
     s.add_argument("--log-level", default="INFO")
+    add_local_arguments(s)
 
     f = sub.add_parser("fetch", help="fetch one rank's slices into a safetensors file")
     f.add_argument("target", help="daemon address, e.g. unix:///run/weightd/weightd.sock")
@@ -94,6 +96,7 @@ def _cache_dir(arg: str | None) -> str:
 def _serve(args: argparse.Namespace) -> int:
     from .daemon import ServeConfig, serve
     from .demo import DEMO_NAME, ensure_demo_checkpoint
+    from .transports.options import from_arguments
 
     models: list[tuple[str | None, str]] = args.model or []
     if not models:
@@ -108,6 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         chunk_bytes=args.chunk_bytes,
         grace_seconds=args.grace,
+        local=from_arguments(args),
     )
     return serve(config)
 

@@ -20,6 +20,8 @@ from .errors import WeightdError
 from .listen import Address, ListenError, parse_address, prepare_unix_socket
 from .models import ModelRegistry, load_model
 from .service import DEFAULT_CHUNK_BYTES, WeightsService
+from .transports.local_server import LocalServer, start_local_server
+from .transports.options import LocalConfig, check_config
 
 log = logging.getLogger("weightd")
 
@@ -45,6 +47,8 @@ class ServeConfig:
     #: Seconds in-flight RPCs get to finish after SIGTERM.
     grace_seconds: float = 30.0
     extra_options: list[tuple[str, int]] = field(default_factory=list)
+    #: Same-host transports: shared-memory packs, pinned staging, CUDA IPC.
+    local: LocalConfig = field(default_factory=LocalConfig)
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Daemon:
     registry: ModelRegistry
     health: health.HealthServicer
     lock: IO[str] | None
+    local: LocalServer | None = None
 
     @property
     def target(self) -> str:
@@ -79,6 +84,8 @@ class Daemon:
     def stop(self, grace: float | None) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.local is not None:
+            self.local.close()
         self.registry.close()
         if self.lock is not None:
             self.lock.close()
@@ -92,6 +99,7 @@ def create_daemon(config: ServeConfig) -> Daemon:
             f"refusing to serve weights unencrypted on non-loopback address {config.listen}; "
             "use a Unix socket or loopback, or pass --insecure"
         )
+    driver = check_config(config.local, address.kind == "unix")
     lock = prepare_unix_socket(address.path) if address.kind == "unix" else None
     registry = ModelRegistry()
     options = [
@@ -106,7 +114,8 @@ def create_daemon(config: ServeConfig) -> Daemon:
         options=options,
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
-    pb_grpc.add_WeightsServicer_to_server(WeightsService(registry, config.chunk_bytes), server)
+    service = WeightsService(registry, config.chunk_bytes)
+    pb_grpc.add_WeightsServicer_to_server(service, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -118,6 +127,15 @@ def create_daemon(config: ServeConfig) -> Daemon:
     if address.kind == "tcp":
         address = Address("tcp", host=address.host, port=port)
     daemon = Daemon(server, address, registry, health_servicer, lock)
+    if address.kind == "unix" and config.local.enabled:
+        try:
+            daemon.local = start_local_server(
+                address.path, registry, service.slice_anchor, config.local, driver
+            )
+        except BaseException:
+            if lock is not None:
+                lock.close()
+            raise
     for status_name in ("", WEIGHTS_SERVICE):
         health_servicer.set(status_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     registry.on_change(daemon.set_serving)
