@@ -17,18 +17,22 @@ from .errors import (
     UnavailableError,
     WeightdError,
 )
+from .transports import FetchInfo, PackRef, TransportFailure
 
 __all__ = [
     "DataLossError",
     "DeadlineExceededError",
     "FailedPreconditionError",
+    "FetchInfo",
     "InvalidArgumentError",
     "ModelDescription",
     "ModelInfo",
     "NotFoundError",
+    "PackRef",
     "PermissionDeniedError",
     "ResourceExhaustedError",
     "TensorInfo",
+    "TransportFailure",
     "UnauthenticatedError",
     "UnavailableError",
     "WeightClient",

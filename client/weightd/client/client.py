@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +31,25 @@ from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .dtypes import torch_dtype
-from .errors import DataLossError, InvalidArgumentError, WeightdError, from_rpc_error
+from .errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+    WeightdError,
+    from_rpc_error,
+)
+from .local_fetch import NotApplicable, attach_local, fetch_local
+from .transports import (
+    FetchInfo,
+    PackRef,
+    Transport,
+    TransportFailure,
+    candidates,
+    side_socket_path,
+)
+
+log = logging.getLogger("weightd.client")
 
 #: Largest message the client accepts: the daemon caps tensor payload at 4 MiB per
 #: message; the rest is headroom for headers of many small tensors sharing a message.
@@ -117,6 +137,9 @@ class WeightClient:
     Pass ``credentials`` (``grpc.ssl_channel_credentials(...)``) for TLS.
     """
 
+    #: How the latest fetch was served (also returned by :meth:`fetch_with_info`).
+    last_fetch: FetchInfo | None = None
+
     def __init__(
         self,
         target: str,
@@ -188,17 +211,153 @@ class WeightClient:
         model: str | None = None,
         names: Iterable[str] | None = None,
         device: str | torch.device = "cpu",
+        transport: Transport = "auto",
+        copy: bool = False,
+        verify: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """This rank's slice of every tensor (or of ``names``), digest-checked.
+        """This rank's slice of every tensor (or of ``names``).
 
-        Raises a :class:`~weightd.client.errors.WeightdError` subclass carrying the
-        daemon's status code and detail; a partial result is never returned.
+        ``transport``: ``"auto"`` (CUDA IPC for a CUDA device on the daemon's host, shared
+        memory for a CPU fetch on its host, gRPC otherwise), or ``"grpc"``, ``"shm"``,
+        ``"cuda_ipc"`` to insist. Shared-memory and CUDA IPC tensors view one copy shared
+        by every process on the host; ``copy=True`` returns private tensors instead.
+        ``verify=True`` re-hashes shared packs (gRPC always checks digests). How the
+        fetch was served is in :attr:`last_fetch`, or use :meth:`fetch_with_info`.
+        Raises a :class:`~weightd.client.errors.WeightdError` subclass; a partial
+        result is never returned.
         """
+        state, _ = self.fetch_with_info(
+            rank,
+            world_size,
+            model=model,
+            names=names,
+            device=device,
+            transport=transport,
+            copy=copy,
+            verify=verify,
+        )
+        return state
+
+    def fetch_with_info(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        model: str | None = None,
+        names: Iterable[str] | None = None,
+        device: str | torch.device = "cpu",
+        transport: Transport = "auto",
+        copy: bool = False,
+        verify: bool = False,
+    ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
+        """:meth:`fetch`, and how it was served (transport, reason, failures, pack)."""
         if world_size < 1 or not 0 <= rank < world_size:
             # Checked here too: a negative number cannot even be encoded as uint32.
             raise InvalidArgumentError(
                 f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
             )
+        dev = torch.device(device)
+        wanted = list(names or ())
+        side = side_socket_path(self.target)
+        try:
+            order, reason = candidates(
+                transport, dev.type, side, side is not None and os.path.exists(side)
+            )
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        except LookupError as exc:
+            raise UnavailableError(str(exc), transport=transport) from None
+        failures: list[TransportFailure] = []
+        for i, name in enumerate(order):
+            try:
+                if name == "grpc":
+                    state = self._fetch_grpc(rank, world_size, model=model, names=wanted)
+                    if dev.type != "cpu":
+                        state = {n: t.to(dev) for n, t in state.items()}
+                    info = FetchInfo("grpc", transport, reason, tuple(failures), copied=True)
+                else:
+                    assert side is not None
+                    state, ref = fetch_local(
+                        side,
+                        name,
+                        model=model or "",
+                        world_size=world_size,
+                        rank=rank,
+                        names=wanted,
+                        device=dev,
+                        copy=copy,
+                        verify=verify,
+                        timeout=self.timeout,
+                    )
+                    copied = copy or (name == "shm" and dev.type != "cpu")
+                    info = FetchInfo(name, transport, reason, tuple(failures), ref, copied)
+            except NotApplicable as exc:
+                if transport != "auto":
+                    raise FailedPreconditionError(str(exc), transport=name) from None
+                reason = f"{exc}; {reason}"
+                continue
+            except WeightdError as exc:
+                if transport != "auto" or exc.transport is None or i == len(order) - 1:
+                    raise
+                log.warning(
+                    "weightd: %s transport failed for rank %d/%d, falling back to %s: %s",
+                    name,
+                    rank,
+                    world_size,
+                    order[i + 1],
+                    exc,
+                )
+                failures.append(TransportFailure(name, exc))
+                continue
+            self.last_fetch = info
+            return state, info
+        raise AssertionError("unreachable: gRPC is always the last candidate")
+
+    def attach(
+        self,
+        ref: PackRef,
+        *,
+        names: Iterable[str] | None = None,
+        device: str | torch.device = "cpu",
+        copy: bool = False,
+        verify: bool = False,
+    ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
+        """Take a lease of your own on a pack another local process fetched (``info.pack``).
+
+        Refused (FailedPreconditionError) when the daemon restarted since ``ref`` was
+        granted: its handle would name memory that no longer exists.
+        """
+        side = side_socket_path(self.target)
+        if side is None:
+            raise FailedPreconditionError(f"{self.target} is not a Unix socket: no side channel")
+        dev = torch.device(device)
+        state, granted = attach_local(
+            side,
+            ref,
+            names=list(names or ()),
+            device=dev,
+            copy=copy,
+            verify=verify,
+            timeout=self.timeout,
+        )
+        transport = "cuda_ipc" if ref.placement == "cuda" else "shm"
+        info = FetchInfo(transport, transport, "attached to a granted pack", (), granted, copy)
+        self.last_fetch = info
+        return state, info
+
+    def _fetch_grpc(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        model: str | None = None,
+        names: Iterable[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """This rank's slice of every tensor (or of ``names``), streamed and digest-checked.
+
+        Raises a :class:`~weightd.client.errors.WeightdError` subclass carrying the
+        daemon's status code and detail; a partial result is never returned.
+        """
         request = pb.FetchRequest(
             model=model or "",
             layout=pb.Layout(tp_size=world_size, tp_rank=rank),
@@ -243,8 +402,6 @@ class WeightClient:
             raise DataLossError(
                 f"the daemon announced {done.num_tensors} tensors; {len(out)} arrived complete"
             )
-        if torch.device(device).type != "cpu":
-            return {name: t.to(device) for name, t in out.items()}
         return out
 
     def load_into(
