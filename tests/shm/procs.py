@@ -12,12 +12,13 @@ from typing import Any
 class Worker:
     """A worker process; :meth:`call` sends one command and returns its answer."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.shm.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
 
     @property

@@ -5,7 +5,7 @@ whatever it fetched until told to drop it, so tests can measure, restart daemons
 damage shard files, or kill it while it holds a lease.
 
     {"op": "fetch", "target": T, "rank": R, "world_size": N, "transport": "shm", "copy": false,
-     "names": null}
+     "names": null, "device": "cpu"}
     {"op": "touch"}        read every byte of every tensor (fault the pages in)
     {"op": "smaps"}        this process's /proc/self/smaps_rollup, in kB
     {"op": "digests"}      SHA-256 of every held tensor's bytes
@@ -39,7 +39,7 @@ def smaps_rollup() -> dict[str, int]:
 
 
 def digest(t: torch.Tensor) -> str:
-    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    raw = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
     return hashlib.sha256(memoryview(raw)).hexdigest()
 
 
@@ -59,11 +59,14 @@ def main() -> None:
                         cmd["rank"],
                         cmd["world_size"],
                         names=cmd.get("names"),
+                        device=cmd.get("device", "cpu"),
                         transport=cmd.get("transport", "auto"),
                         copy=cmd.get("copy", False),
                     )
                 else:
-                    state, info = client.attach(PackRef(**cmd["ref"]))
+                    state, info = client.attach(
+                        PackRef(**cmd["ref"]), device=cmd.get("device", "cpu")
+                    )
                 reply["transport"] = info.transport
                 reply["pack"] = dataclasses.asdict(info.pack) if info.pack else None
                 reply["nbytes"] = sum(t.numel() * t.element_size() for t in state.values())
