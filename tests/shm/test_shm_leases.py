@@ -1,7 +1,8 @@
 """Leases, TTL and the byte budget, observed through the daemon's pack table.
 
-The daemon serves the demo model (one rank pack at world size 2 is ~5.2 MB) with a
-budget that holds one such pack and not two, and a one-second TTL.
+Two daemons serve the demo model (one rank pack at world size 2 is ~5.2 MB): one with
+a budget that holds one such pack and not two (and a long TTL, so only the budget
+frees packs), one with a one-second TTL.
 """
 
 from __future__ import annotations
@@ -29,14 +30,24 @@ BUDGET = 6_000_000
 
 @pytest.fixture(scope="module")
 def daemon(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    extra = ["--shm-budget-bytes", str(BUDGET), "--pack-ttl", str(TTL)]
-    with run_daemon(tmp_path_factory.mktemp("leases"), [("demo", demo_model)], extra) as d:
+    """Budget for one pack; packs are freed only to make room (TTL of an hour)."""
+    extra = ["--shm-budget-bytes", str(BUDGET), "--pack-ttl", "3600"]
+    with run_daemon(tmp_path_factory.mktemp("budget"), [("demo", demo_model)], extra) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def ttl_daemon(
+    demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningDaemon]:
+    extra = ["--pack-ttl", str(TTL)]
+    with run_daemon(tmp_path_factory.mktemp("ttl"), [("demo", demo_model)], extra) as d:
         yield d
 
 
 @pytest.fixture
 def client(daemon: RunningDaemon) -> Iterator[WeightClient]:
-    wait_until(daemon, lambda s: not s.packs, "packs of earlier tests to expire")
+    wait_until(daemon, lambda s: all(p.leases == 0 for p in s.packs), "earlier leases to end")
     with WeightClient(daemon.target, timeout=60) as c:
         yield c
 
@@ -97,24 +108,21 @@ def test_budget_refuses_while_leased_then_evicts_lru(
     assert stats(daemon).evictions_total == before + 1
 
 
-def test_ttl_frees_idle_packs_but_never_a_leased_one(
-    daemon: RunningDaemon, client: WeightClient
-) -> None:
-    held = client.fetch(0, 2, transport="shm")
-    time.sleep(3 * TTL)  # three TTLs with the lease held
-    assert packs(daemon) == {0: 1}
-    del held
-    gc.collect()
-    s = wait_until(daemon, lambda s: [p.leases for p in s.packs] == [0], "the release")
-    assert s.packs[0].idle_seconds < TTL
-    wait_until(daemon, lambda s: not s.packs, "the TTL to free the idle pack")
-    assert stats(daemon).host_bytes == 0
+def test_ttl_frees_idle_packs_but_never_a_leased_one(ttl_daemon: RunningDaemon) -> None:
+    with WeightClient(ttl_daemon.target, timeout=60) as client:
+        held = client.fetch(0, 2, transport="shm")
+        time.sleep(3 * TTL)  # three TTLs with the lease held
+        assert packs(ttl_daemon) == {0: 1}
+        del held
+        gc.collect()
+        wait_until(ttl_daemon, lambda s: not s.packs, "the TTL to free the released pack")
+        assert stats(ttl_daemon).host_bytes == 0 and stats(ttl_daemon).evictions_total == 1
 
 
 def test_copy_releases_at_once(daemon: RunningDaemon, client: WeightClient) -> None:
     private = client.fetch(0, 2, transport="shm", copy=True)
     assert private
-    assert packs(daemon) == {0: 0}  # still cached for the next asker, but not leased
+    assert packs(daemon) == {0: 0}  # kept for the next asker (TTL), but not leased
 
 
 def test_lease_ends_when_its_holder_is_killed(daemon: RunningDaemon, client: WeightClient) -> None:

@@ -36,7 +36,7 @@ from weightd.v1 import local_pb2 as lpb
 from .dlpack import KDL_CUDA, bytes_tensor
 from .errors import DataLossError, FailedPreconditionError, UnavailableError
 from .local import LocalConnection
-from .shm import _table
+from .shm import pack_table
 
 log = logging.getLogger("weightd.client.cuda_ipc")
 
@@ -137,7 +137,7 @@ def map_cuda_pack(
                 f"{device} ({want})",
                 transport="cuda_ipc",
             )
-        table = _table(grant)
+        table = pack_table(grant)
         opened = _open(grant.cuda_ipc_handle, want)
     except BaseException:
         conn.close()

@@ -44,7 +44,7 @@ from .local import LocalConnection
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
-def _table(grant: lpb.PackGrant) -> list[tuple[lpb.PackEntry, torch.dtype, tuple[int, ...]]]:
+def pack_table(grant: lpb.PackGrant) -> list[tuple[lpb.PackEntry, torch.dtype, tuple[int, ...]]]:
     """Every entry checked against the pack's size and its own dtype and shape."""
     out = []
     seen: set[str] = set()
@@ -97,7 +97,7 @@ def map_host_pack(
     """Tensors for the grant's entries. Takes ownership of ``fd`` and of ``conn`` (the lease)."""
     try:
         check_sealed(fd, grant.size_bytes, grant.pack_id)
-        table = _table(grant)
+        table = pack_table(grant)
         mapping = mmap.mmap(fd, grant.size_bytes, access=mmap.ACCESS_COPY)
     except BaseException:
         conn.close()

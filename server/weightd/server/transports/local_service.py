@@ -199,9 +199,7 @@ class PackService:
         info = PackInfo(model.name, ws, rank, lpb.PLACEMENT_HOST)
         host = self.host.acquire(key, size, info, build)
         if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
-            grant = self._grant(host, lpb.PLACEMENT_HOST, host.pack.entries, list(req.names))
-            grant.pinned = host.pack.pinned
-            return Outcome(lpb.LocalResponse(grant=grant), [host.pack.fd], host)
+            return self._answer(host, list(req.names))
         try:
             if req.placement != lpb.PLACEMENT_CUDA:
                 raise LocalProtocolError(f"placement {req.placement} is not known")
@@ -219,10 +217,7 @@ class PackService:
             )
         finally:
             host.release()  # the GPU copy stands alone; the host pack ages out by its TTL
-        grant = self._grant(lease, lpb.PLACEMENT_CUDA, lease.pack.entries, list(req.names))
-        grant.cuda_ipc_handle = lease.pack.handle
-        grant.gpu_uuid = lease.pack.gpu_uuid
-        return Outcome(lpb.LocalResponse(grant=grant), [], lease)
+        return self._answer(lease, list(req.names))
 
     def _attach(self, req: lpb.AttachPack) -> Outcome:
         if req.boot_id != self.boot_id:
@@ -230,47 +225,43 @@ class PackService:
                 f"pack {req.pack_id} was granted by daemon boot {req.boot_id or '(none)'}; "
                 f"this daemon is boot {self.boot_id} (it restarted since): fetch again"
             )
+        lease: Lease[HostPack] | Lease[CudaPack] | None = None
         for cache in self._caches():
-            if any(s.pack_id == req.pack_id for s in cache.states()):
+            try:
                 lease = cache.attach(req.pack_id)
                 break
-        else:
+            except StaleGrant:
+                continue
+        if lease is None:
             raise StaleGrant(f"pack {req.pack_id} does not exist (any more) in this daemon")
-        pack = lease.pack
-        if req.names:
-            known = {e.name for e in pack.entries}
-            missing = [n for n in req.names if n not in known]
-            if missing:
-                lease.release()
-                raise LocalProtocolError(f"pack {req.pack_id} holds no tensor {missing[0]!r}")
-        if isinstance(pack, HostPack):
-            grant = self._grant(lease, lpb.PLACEMENT_HOST, pack.entries, list(req.names))
-            grant.pinned = pack.pinned
-            return Outcome(lpb.LocalResponse(grant=grant), [pack.fd], lease)
-        grant = self._grant(lease, lpb.PLACEMENT_CUDA, pack.entries, list(req.names))
-        grant.cuda_ipc_handle = pack.handle
-        grant.gpu_uuid = pack.gpu_uuid
-        return Outcome(lpb.LocalResponse(grant=grant), [], lease)
+        known = {e.name for e in lease.pack.entries}
+        missing = [n for n in req.names if n not in known]
+        if missing:
+            lease.release()
+            raise LocalProtocolError(f"pack {req.pack_id} holds no tensor {missing[0]!r}")
+        return self._answer(lease, list(req.names))
 
-    def _grant(
-        self,
-        lease: Lease[HostPack] | Lease[CudaPack],
-        placement: lpb.Placement.ValueType,
-        entries: tuple[PackEntry, ...],
-        names: list[str],
-    ) -> lpb.PackGrant:
+    def _answer(self, lease: Lease[HostPack] | Lease[CudaPack], names: list[str]) -> Outcome:
+        """The grant for a lease (entries for ``names``, or all), with what it must carry."""
         info = lease.info
         assert isinstance(info, PackInfo)
-        return lpb.PackGrant(
+        pack = lease.pack
+        grant = lpb.PackGrant(
             boot_id=self.boot_id,
             pack_id=lease.pack_id,
             model=info.model,
             layout=pb.Layout(tp_size=info.tp_size, tp_rank=info.tp_rank),
-            placement=placement,
-            size_bytes=lease.pack.size,
-            entries=_entries(entries, names),
+            placement=info.placement,
+            size_bytes=pack.size,
+            entries=_entries(pack.entries, names),
             built=lease.built,
         )
+        if isinstance(pack, HostPack):
+            grant.pinned = pack.pinned
+            return Outcome(lpb.LocalResponse(grant=grant), [pack.fd], lease)
+        grant.cuda_ipc_handle = pack.handle
+        grant.gpu_uuid = pack.gpu_uuid
+        return Outcome(lpb.LocalResponse(grant=grant), [], lease)
 
     # --- upkeep ----------------------------------------------------------------------------
 
