@@ -1,5 +1,8 @@
 """``WeightClient``: fetch a rank's verified slices from a weightd daemon.
 
+On the daemon's host, ``transport="auto"`` maps shared rank packs or opens CUDA IPC
+handles instead (``local_fetch``, ``shm``, ``cuda_ipc``); this module is the gRPC path.
+
 Copies, end to end, for each byte fetched over gRPC (``transport="grpc"``):
 
 1. daemon: page cache → a read buffer (``pread``/``preadv``);
@@ -17,8 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,25 +32,9 @@ from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .dtypes import torch_dtype
-from .errors import (
-    DataLossError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    UnavailableError,
-    WeightdError,
-    from_rpc_error,
-)
-from .local_fetch import NotApplicable, attach_local, fetch_local
-from .transports import (
-    FetchInfo,
-    PackRef,
-    Transport,
-    TransportFailure,
-    candidates,
-    side_socket_path,
-)
-
-log = logging.getLogger("weightd.client")
+from .errors import DataLossError, InvalidArgumentError, WeightdError, from_rpc_error
+from .local_fetch import attach_local, negotiated_fetch
+from .transports import FetchInfo, PackRef, Transport
 
 #: Largest message the client accepts: the daemon caps tensor payload at 4 MiB per
 #: message; the rest is headroom for headers of many small tensors sharing a message.
@@ -256,62 +241,22 @@ class WeightClient:
             raise InvalidArgumentError(
                 f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
             )
-        dev = torch.device(device)
         wanted = list(names or ())
-        side = side_socket_path(self.target)
-        try:
-            order, reason = candidates(
-                transport, dev.type, side, side is not None and os.path.exists(side)
-            )
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-        except LookupError as exc:
-            raise UnavailableError(str(exc), transport=transport) from None
-        failures: list[TransportFailure] = []
-        for i, name in enumerate(order):
-            try:
-                if name == "grpc":
-                    state = self._fetch_grpc(rank, world_size, model=model, names=wanted)
-                    if dev.type != "cpu":
-                        state = {n: t.to(dev) for n, t in state.items()}
-                    info = FetchInfo("grpc", transport, reason, tuple(failures), copied=True)
-                else:
-                    assert side is not None
-                    state, ref = fetch_local(
-                        side,
-                        name,
-                        model=model or "",
-                        world_size=world_size,
-                        rank=rank,
-                        names=wanted,
-                        device=dev,
-                        copy=copy,
-                        verify=verify,
-                        timeout=self.timeout,
-                    )
-                    copied = copy or (name == "shm" and dev.type != "cpu")
-                    info = FetchInfo(name, transport, reason, tuple(failures), ref, copied)
-            except NotApplicable as exc:
-                if transport != "auto":
-                    raise FailedPreconditionError(str(exc), transport=name) from None
-                reason = f"{exc}; {reason}"
-                continue
-            except WeightdError as exc:
-                if transport != "auto" or exc.transport is None or i == len(order) - 1:
-                    raise
-                log.warning(
-                    "weightd: %s transport failed for rank %d/%d, falling back to %s: %s",
-                    name,
-                    rank,
-                    world_size,
-                    order[i + 1],
-                    exc,
-                )
-                failures.append(TransportFailure(name, exc))
-                continue
-            self.last_fetch = info
-            return state, info
-        raise AssertionError("unreachable: gRPC is always the last candidate")
+        state, info = negotiated_fetch(
+            self.target,
+            transport,
+            lambda: self._fetch_grpc(rank, world_size, model=model, names=wanted),
+            model=model or "",
+            world_size=world_size,
+            rank=rank,
+            names=wanted,
+            device=torch.device(device),
+            copy=copy,
+            verify=verify,
+            timeout=self.timeout,
+        )
+        self.last_fetch = info
+        return state, info
 
     def attach(
         self,
@@ -327,21 +272,15 @@ class WeightClient:
         Refused (FailedPreconditionError) when the daemon restarted since ``ref`` was
         granted: its handle would name memory that no longer exists.
         """
-        side = side_socket_path(self.target)
-        if side is None:
-            raise FailedPreconditionError(f"{self.target} is not a Unix socket: no side channel")
-        dev = torch.device(device)
-        state, granted = attach_local(
-            side,
+        state, info = attach_local(
+            self.target,
             ref,
             names=list(names or ()),
-            device=dev,
+            device=torch.device(device),
             copy=copy,
             verify=verify,
             timeout=self.timeout,
         )
-        transport = "cuda_ipc" if ref.placement == "cuda" else "shm"
-        info = FetchInfo(transport, transport, "attached to a granted pack", (), granted, copy)
         self.last_fetch = info
         return state, info
 

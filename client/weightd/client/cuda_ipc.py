@@ -70,7 +70,8 @@ def device_uuid(device: torch.device) -> str:
     return canonical_uuid(str(torch.cuda.get_device_properties(index).uuid))
 
 
-def _open(handle: bytes, gpu_uuid: str) -> _Opened:
+def _open(handle: bytes, gpu_uuid: str, ordinal: int) -> _Opened:
+    """Open (or share this process's opening of) ``handle`` on torch's device ``ordinal``."""
     d = driver()
     with _lock:
         opened = _opened.get(handle)
@@ -78,10 +79,13 @@ def _open(handle: bytes, gpu_uuid: str) -> _Opened:
             opened.refs += 1
             return opened
     try:
-        ordinal = d.uuids().get(gpu_uuid)
-        if ordinal is None:
+        seen = d.device_uuid(ordinal)
+        if seen != gpu_uuid:
+            # torch and the driver disagree on ordinals (CUDA_DEVICE_ORDER?): refuse
+            # rather than hand torch a pointer it would place on the wrong device.
             raise FailedPreconditionError(
-                f"GPU {gpu_uuid} is not visible to this process", transport="cuda_ipc"
+                f"device {ordinal} is GPU {gpu_uuid} to torch but {seen} to the driver",
+                transport="cuda_ipc",
             )
         with d.context(ordinal):
             ptr = d.ipc_open(handle)
@@ -138,12 +142,12 @@ def map_cuda_pack(
                 transport="cuda_ipc",
             )
         table = pack_table(grant)
-        opened = _open(grant.cuda_ipc_handle, want)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        opened = _open(grant.cuda_ipc_handle, want, index)
     except BaseException:
         conn.close()
         raise
     handle = bytes(grant.cuda_ipc_handle)
-    index = device.index if device.index is not None else torch.cuda.current_device()
     try:
         base = bytes_tensor(
             opened.ptr, grant.size_bytes, KDL_CUDA, index, lambda: _close(handle, conn)

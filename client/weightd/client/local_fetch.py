@@ -1,9 +1,10 @@
-"""Fetching over the side socket: shared-memory packs and CUDA IPC, for ``WeightClient``."""
+"""Choosing the transport of a fetch, and fetching over the side socket (shm, CUDA IPC)."""
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -11,10 +12,12 @@ from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 
 from .cuda_ipc import device_uuid, map_cuda_pack
-from .errors import FailedPreconditionError
+from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError, WeightdError
 from .local import LocalConnection, attach_request, pack_ref
 from .shm import map_host_pack
-from .transports import PackRef
+from .transports import FetchInfo, PackRef, TransportFailure, candidates, side_socket_path
+
+log = logging.getLogger("weightd.client")
 
 
 class NotApplicable(Exception):
@@ -32,6 +35,72 @@ def _cuda_check(conn: LocalConnection, device: torch.device) -> str:
     if uuid not in conn.hello.gpu_uuids:
         raise NotApplicable(f"the daemon does not place packs on {device} (GPU {uuid})")
     return uuid
+
+
+def negotiated_fetch(
+    target: str,
+    transport: str,
+    grpc_fetch: Callable[[], dict[str, torch.Tensor]],
+    *,
+    model: str,
+    world_size: int,
+    rank: int,
+    names: Sequence[str],
+    device: torch.device,
+    copy: bool,
+    verify: bool,
+    timeout: float | None,
+) -> tuple[dict[str, torch.Tensor], FetchInfo]:
+    """Try the candidate transports in order (see ``transports``); report every failure."""
+    side = side_socket_path(target)
+    try:
+        order, reason = candidates(
+            transport, device.type, side, side is not None and os.path.exists(side)
+        )
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    except LookupError as exc:
+        raise UnavailableError(str(exc), transport=transport) from None
+    failures: list[TransportFailure] = []
+    for i, name in enumerate(order):
+        try:
+            if name == "grpc":
+                state = grpc_fetch()
+                if device.type != "cpu":
+                    state = {n: t.to(device) for n, t in state.items()}
+                return state, FetchInfo("grpc", transport, reason, tuple(failures), copied=True)
+            assert side is not None
+            state, ref = fetch_local(
+                side,
+                name,
+                model=model,
+                world_size=world_size,
+                rank=rank,
+                names=names,
+                device=device,
+                copy=copy,
+                verify=verify,
+                timeout=timeout,
+            )
+            copied = copy or (name == "shm" and device.type != "cpu")
+            return state, FetchInfo(name, transport, reason, tuple(failures), ref, copied)
+        except NotApplicable as exc:
+            if transport != "auto":
+                raise FailedPreconditionError(str(exc), transport=name) from None
+            reason = f"{exc}; {reason}"
+        except WeightdError as exc:
+            if transport != "auto" or exc.transport is None or i == len(order) - 1:
+                raise
+            log.warning(
+                "weightd: %s transport failed for rank %d/%d, falling back to %s: %s",
+                name,
+                rank,
+                world_size,
+                order[i + 1],
+                exc,
+            )
+            failures.append(TransportFailure(name, exc))
+    raise AssertionError("unreachable: gRPC is always the last candidate")
 
 
 def fetch_local(
@@ -67,7 +136,7 @@ def fetch_local(
 
 
 def attach_local(
-    path: str,
+    target: str,
     ref: PackRef,
     *,
     names: Sequence[str],
@@ -75,8 +144,11 @@ def attach_local(
     copy: bool,
     verify: bool,
     timeout: float | None,
-) -> tuple[dict[str, torch.Tensor], PackRef]:
+) -> tuple[dict[str, torch.Tensor], FetchInfo]:
     """A new lease on the pack ``ref`` names; refused if the daemon restarted since."""
+    path = side_socket_path(target)
+    if path is None:
+        raise FailedPreconditionError(f"{target} is not a Unix socket: no side channel")
     transport = "cuda_ipc" if ref.placement == "cuda" else "shm"
     conn = LocalConnection(path, transport, timeout)
     try:
@@ -89,7 +161,10 @@ def attach_local(
     except BaseException:
         conn.close()
         raise
-    return _map(grant, fds, conn, device, copy, verify), pack_ref(grant)
+    state = _map(grant, fds, conn, device, copy, verify)
+    copied = copy or (transport == "shm" and device.type != "cpu")
+    reason = "attached to a granted pack"
+    return state, FetchInfo(transport, transport, reason, (), pack_ref(grant), copied)
 
 
 def _map(
