@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from pathlib import Path
 from typing import Any
-
-import torch
 
 #: TinyLlama widths with 3 layers and a 32k vocabulary: ~526 MB of BF16 in 3 shards.
 BENCH_CONFIG: dict[str, Any] = {
@@ -25,51 +23,14 @@ BENCH_CONFIG: dict[str, Any] = {
 }
 
 
-def _tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
-    out |= {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    return out
-
-
-def write_checkpoint(
-    directory: Path, config: dict[str, Any] = BENCH_CONFIG, shards: int = 3
-) -> Path:
+def write_checkpoint(directory: Path, config: dict[str, Any] = BENCH_CONFIG) -> Path:
     """Write (once) a deterministic random checkpoint with an index; returns ``directory``."""
-    from safetensors.torch import save_file
+    from weightd.server.demo import write_llama_checkpoint
 
-    if (directory / "model.safetensors.index.json").exists():
-        return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    shapes = _tensors(config)
-    names = list(shapes)
-    g = torch.Generator().manual_seed(0)
-    weight_map: dict[str, str] = {}
-    per = -(-len(names) // shards)
-    for i in range(shards):
-        part = names[i * per : (i + 1) * per]
-        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = {n: torch.randn(shapes[n], generator=g).to(torch.bfloat16) for n in part}
-        save_file(tensors, str(directory / f".{shard}.tmp"))
-        (directory / f".{shard}.tmp").rename(directory / shard)
-        weight_map |= dict.fromkeys(part, shard)
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    if not (directory / "model.safetensors.index.json").exists():
+        staging = directory.with_name(f".{directory.name}.{os.getpid()}")
+        write_llama_checkpoint(str(staging), config, shards=3, seed=0)
+        staging.rename(directory)
     return directory
 
 
