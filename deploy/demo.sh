@@ -20,13 +20,15 @@ from weightd.client import WeightClient
 
 client = WeightClient(sys.argv[1], timeout=60)
 full = {t.name: t for t in client.describe().tensors}
-state = client.fetch(rank=1, world_size=2)  # {name: torch.Tensor}, digests checked
+state, info = client.fetch_with_info(rank=1, world_size=2)  # {name: torch.Tensor}
 for name in list(state)[:6] + ["lm_head.weight"]:
     t = state[name]
     print(f"  {name:45s} {str(list(full[name].shape)):>12s} -> {str(list(t.shape)):>12s} {t.dtype}")
 got = sum(t.numel() * t.element_size() for t in state.values())
 total = sum(t.nbytes for t in full.values())
-print(f"  {len(state)} tensors, {got} of the model's {total} bytes, every slice's SHA-256 verified")
+print(f"  {len(state)} tensors, {got} of the model's {total} bytes")
+by = "this client" if info.transport == "grpc" else "the daemon, before sealing the shared pack"
+print(f"  served by {info.transport} ({info.reason}); every slice's SHA-256 verified by {by}")
 PY
 .venv/bin/weightd fetch "$target" --rank 0 --world-size 4 --out "${TMPDIR:-/tmp}/weightd-demo-rank0-of-4.safetensors"
 if [ "${1:-}" = "--once" ]; then

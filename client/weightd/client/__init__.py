@@ -20,21 +20,25 @@ from .errors import (
 )
 from .layout import Layout
 from .tls import tls_credentials
+from .transports import FetchInfo, PackRef, TransportFailure
 
 __all__ = [
     "AdminClient",
     "DataLossError",
     "DeadlineExceededError",
     "FailedPreconditionError",
+    "FetchInfo",
     "InvalidArgumentError",
     "Layout",
     "ModelDescription",
     "ModelInfo",
     "NotFoundError",
+    "PackRef",
     "PermissionDeniedError",
     "ReloadResult",
     "ResourceExhaustedError",
     "TensorInfo",
+    "TransportFailure",
     "UnauthenticatedError",
     "UnavailableError",
     "WeightClient",

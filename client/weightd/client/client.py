@@ -1,5 +1,8 @@
 """``WeightClient``: fetch a rank's verified slices from a weightd daemon.
 
+On the daemon's host, ``transport="auto"`` maps shared rank packs or opens CUDA IPC
+handles instead (``local_fetch``, ``shm``, ``cuda_ipc``); this module is the gRPC path.
+
 Copies, end to end, for each byte fetched over gRPC (``transport="grpc"``):
 
 1. daemon: page cache → a read buffer (``pread``/``preadv``);
@@ -31,6 +34,8 @@ from weightd.v1 import weightd_pb2_grpc as pb_grpc
 from .dtypes import torch_dtype
 from .errors import DataLossError, InvalidArgumentError, WeightdError, from_rpc_error
 from .layout import Layout
+from .local_fetch import attach_local, negotiated_fetch
+from .transports import FetchInfo, PackRef, Transport
 
 #: Largest message the client accepts: the daemon caps tensor payload at 4 MiB per
 #: message; the rest is headroom for headers of many small tensors sharing a message.
@@ -118,6 +123,9 @@ class WeightClient:
     Pass ``credentials`` (``grpc.ssl_channel_credentials(...)``) for TLS.
     """
 
+    #: How the latest fetch was served (also returned by :meth:`fetch_with_info`).
+    last_fetch: FetchInfo | None = None
+
     def __init__(
         self,
         target: str,
@@ -189,21 +197,70 @@ class WeightClient:
         model: str | None = None,
         names: Iterable[str] | None = None,
         device: str | torch.device = "cpu",
+        transport: Transport = "auto",
+        copy: bool = False,
+        verify: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """This tensor-parallel rank's slice of every tensor (or of ``names``), digest-checked.
+        """This tensor-parallel rank's slice of every tensor (or of ``names``).
 
-        The shorthand of :meth:`fetch_layout` with ``Layout(tp_size=world_size,
-        tp_rank=rank)``. Raises a :class:`~weightd.client.errors.WeightdError` subclass
-        carrying the daemon's status code and detail; a partial result is never returned.
+        ``transport``: ``"auto"`` (CUDA IPC for a CUDA device on the daemon's host, shared
+        memory for a CPU fetch on its host, gRPC otherwise), or ``"grpc"``, ``"shm"``,
+        ``"cuda_ipc"`` to insist. Shared-memory and CUDA IPC tensors view one copy shared
+        by every process on the host; ``copy=True`` returns private tensors instead.
+        ``verify=True`` re-hashes shared packs (gRPC always checks digests). How the
+        fetch was served is in :attr:`last_fetch`, or use :meth:`fetch_with_info`.
+        Pipeline and expert layouts: :meth:`fetch_layout`. Raises a
+        :class:`~weightd.client.errors.WeightdError` subclass; a partial result is
+        never returned.
         """
+        state, _ = self.fetch_with_info(
+            rank,
+            world_size,
+            model=model,
+            names=names,
+            device=device,
+            transport=transport,
+            copy=copy,
+            verify=verify,
+        )
+        return state
+
+    def fetch_with_info(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        model: str | None = None,
+        names: Iterable[str] | None = None,
+        device: str | torch.device = "cpu",
+        transport: Transport = "auto",
+        copy: bool = False,
+        verify: bool = False,
+    ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
+        """:meth:`fetch`, and how it was served (transport, reason, failures, pack)."""
         if world_size < 1 or not 0 <= rank < world_size:
             # Checked here too: a negative number cannot even be encoded as uint32.
             raise InvalidArgumentError(
                 f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
             )
-        return self.fetch_layout(
-            Layout(tp_size=world_size, tp_rank=rank), model=model, names=names, device=device
+        wanted = list(names or ())
+        state, info = negotiated_fetch(
+            self.target,
+            transport,
+            lambda: self._fetch_grpc(
+                Layout(tp_size=world_size, tp_rank=rank), model=model, names=wanted
+            ),
+            model=model or "",
+            world_size=world_size,
+            rank=rank,
+            names=wanted,
+            device=torch.device(device),
+            copy=copy,
+            verify=verify,
+            timeout=self.timeout,
         )
+        self.last_fetch = info
+        return state, info
 
     def fetch_layout(
         self,
@@ -217,9 +274,53 @@ class WeightClient:
 
         A pipeline stage receives only its layers' tensors (and the embeddings, norm and
         head its position needs); an expert-parallel rank only its experts. Asking by
-        name for a tensor another worker holds is ``InvalidArgumentError``.
+        name for a tensor another worker holds is ``InvalidArgumentError``. Served over
+        gRPC; the same-host transports serve tensor-parallel layouts, through :meth:`fetch`.
         """
         layout.check()
+        out = self._fetch_grpc(layout, model=model, names=names)
+        if torch.device(device).type != "cpu":
+            return {name: t.to(device) for name, t in out.items()}
+        return out
+
+    def attach(
+        self,
+        ref: PackRef,
+        *,
+        names: Iterable[str] | None = None,
+        device: str | torch.device = "cpu",
+        copy: bool = False,
+        verify: bool = False,
+    ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
+        """Take a lease of your own on a pack another local process fetched (``info.pack``).
+
+        Refused (FailedPreconditionError) when the daemon restarted since ``ref`` was
+        granted: its handle would name memory that no longer exists.
+        """
+        state, info = attach_local(
+            self.target,
+            ref,
+            names=list(names or ()),
+            device=torch.device(device),
+            copy=copy,
+            verify=verify,
+            timeout=self.timeout,
+        )
+        self.last_fetch = info
+        return state, info
+
+    def _fetch_grpc(
+        self,
+        layout: Layout,
+        *,
+        model: str | None = None,
+        names: Iterable[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The layout's slices, streamed and digest-checked, on the CPU.
+
+        Raises a :class:`~weightd.client.errors.WeightdError` subclass carrying the
+        daemon's status code and detail; a partial result is never returned.
+        """
         request = pb.FetchRequest(
             model=model or "",
             layout=layout.to_proto(),
@@ -264,8 +365,6 @@ class WeightClient:
             raise DataLossError(
                 f"the daemon announced {done.num_tensors} tensors; {len(out)} arrived complete"
             )
-        if torch.device(device).type != "cpu":
-            return {name: t.to(device) for name, t in out.items()}
         return out
 
     def load_into(

@@ -13,12 +13,18 @@ import grpc
 
 class WeightdError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    #: Set when the failure is a same-host transport's own ("shm", "cuda_ipc"): the
+    #: request itself is fine and gRPC may serve it. None: the request failed.
+    transport: str | None = None
 
-    def __init__(self, detail: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(
+        self, detail: str, code: grpc.StatusCode | None = None, *, transport: str | None = None
+    ) -> None:
         super().__init__(detail)
         self.detail = detail
         if code is not None:
             self.code = code
+        self.transport = transport
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.detail}"
@@ -82,3 +88,12 @@ def from_rpc_error(error: grpc.RpcError) -> WeightdError:
     detail: str = error.details() or ""
     cls = _BY_CODE.get(code, WeightdError)
     return cls(detail, code)
+
+
+_BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def error_for(code: int, detail: str, *, transport: str | None = None) -> WeightdError:
+    """The typed error for a status number (as the side channel sends it)."""
+    status = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(status, WeightdError)(detail, status, transport=transport)

@@ -15,6 +15,7 @@ from .cli_trust import add_parsers as add_trust_parsers
 from .cli_trust import add_serve_options, run_manifest, run_verify, serve_verify_options
 from .errors import WeightdError
 from .listen import default_socket_path
+from .transports.options import add_arguments as add_local_arguments
 
 log = logging.getLogger("weightd")
 
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="INFO")
     _add_ops_args(s)
     add_serve_options(s)
+    add_local_arguments(s)
 
     f = sub.add_parser("fetch", help="fetch one rank's slices into a safetensors file")
     f.add_argument("target", help="daemon address, e.g. unix:///run/weightd/weightd.sock")
@@ -225,6 +227,7 @@ def _cache_dir(arg: str | None) -> str:
 def _serve(args: argparse.Namespace) -> int:
     from .daemon import ServeConfig, serve
     from .demo import DEMO_NAME, ensure_demo_checkpoint
+    from .transports.options import from_arguments
 
     models: list[tuple[str | None, str]] = args.model or []
     if not models:
@@ -252,6 +255,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_stream_seconds=args.max_stream_seconds,
         rules_files=args.rules,
         verify=verify,
+        local=from_arguments(args),
     )
     return serve(config)
 

@@ -30,6 +30,8 @@ from .rules import RuleTable
 from .rulesfile import load_rules_file
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 from .service import DEFAULT_CHUNK_BYTES, WeightsService
+from .transports.local_server import LocalServer, start_local_server
+from .transports.options import LocalConfig, check_config
 from .verify import VerifyOptions
 
 log = logging.getLogger("weightd")
@@ -79,6 +81,8 @@ class ServeConfig:
     max_stream_seconds: float = 3600.0
     #: Trust sources, hash cache and hashing threads for loading (and reloading) models.
     verify: VerifyOptions = field(default_factory=VerifyOptions)
+    #: Same-host transports: shared-memory packs, pinned staging, CUDA IPC.
+    local: LocalConfig = field(default_factory=LocalConfig)
 
 
 @dataclass
@@ -104,6 +108,9 @@ class Daemon:
     def grpc_servers(self) -> list[grpc.Server]:
         extra = [self.admin_server, self.health_server]
         return [self.server, *(s for s in extra if s is not None)]
+
+    #: The same-host side socket (shared-memory packs, CUDA IPC), on Unix listeners.
+    local: LocalServer | None = None
 
     @property
     def target(self) -> str:
@@ -134,6 +141,8 @@ class Daemon:
 
     def close(self) -> None:
         """Release everything but the (already stopped) gRPC servers."""
+        if self.local is not None:
+            self.local.close()
         if self.watchdog is not None:
             self.watchdog.close()
         if self.metrics_server is not None:
@@ -165,6 +174,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         and (admin_address is None or admin_address.kind == "unix")
     ):
         raise ListenError("--tls-cert was given but no TCP listener uses it")
+    driver = check_config(config.local, address.kind == "unix")
     if metrics_registry is None and config.metrics_listen is not None:
         metrics_registry = CollectorRegistry()
     registry = ModelRegistry()
@@ -193,7 +203,8 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             interceptors=[observer, AdminGate(), FetchGuard(watchdog)],
         )
-        pb_grpc.add_WeightsServicer_to_server(WeightsService(registry, config.chunk_bytes), server)
+        service = WeightsService(registry, config.chunk_bytes)
+        pb_grpc.add_WeightsServicer_to_server(service, server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if config.reflection:
@@ -216,6 +227,10 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             options=config.verify,
         )
         daemon.address = listeners.bind(server, address, tls, "worker")
+        if address.kind == "unix" and config.local.enabled:
+            daemon.local = start_local_server(
+                address.path, registry, service.slice_anchor, config.local, driver
+            )
         if warning:
             log.warning("%s", warning)
         if admin_address is not None:

@@ -41,14 +41,15 @@ DEMO_CONFIG: Final[dict[str, Any]] = {
 _SHARDS: Final = 3
 
 
-def _tensors() -> dict[str, Any]:
+def llama_tensors(config: dict[str, Any], seed: int = 20261202) -> dict[str, Any]:
+    """Deterministic random weights of a Llama-style model (norms are ones)."""
     import torch
 
-    c = DEMO_CONFIG
+    c = config
     h, inter, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     q = c["num_attention_heads"] * c["head_dim"]
     kv = c["num_key_value_heads"] * c["head_dim"]
-    gen = torch.Generator().manual_seed(20261202)
+    gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
@@ -70,18 +71,23 @@ def _tensors() -> dict[str, Any]:
     return out
 
 
-def write_demo_checkpoint(directory: str) -> None:
-    """Write the demo checkpoint into ``directory`` (which must not exist yet)."""
+def write_llama_checkpoint(
+    directory: str, config: dict[str, Any], shards: int = _SHARDS, seed: int = 20261202
+) -> None:
+    """Write a sharded Llama-style checkpoint with an index (``directory`` must not exist).
+
+    Also used by tests and benchmarks that need bigger checkpoints than the demo's.
+    """
     from safetensors.torch import save_file
 
-    tensors = _tensors()
+    tensors = llama_tensors(config, seed)
     names = list(tensors)
-    per = -(-len(names) // _SHARDS)
+    per = -(-len(names) // shards)
     os.makedirs(directory)
     weight_map: dict[str, str] = {}
     total = 0
-    for i in range(_SHARDS):
-        file = f"model-{i + 1:05d}-of-{_SHARDS:05d}.safetensors"
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         part = {n: tensors[n] for n in names[i * per : (i + 1) * per]}
         save_file(part, os.path.join(directory, file), metadata={"format": "pt"})
         for n, t in part.items():
@@ -90,7 +96,12 @@ def write_demo_checkpoint(directory: str) -> None:
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(DEMO_CONFIG, f, indent=2)
+        json.dump(config, f, indent=2)
+
+
+def write_demo_checkpoint(directory: str) -> None:
+    """Write the demo checkpoint into ``directory`` (which must not exist yet)."""
+    write_llama_checkpoint(directory, DEMO_CONFIG)
 
 
 def ensure_demo_checkpoint(cache_dir: str) -> str:

@@ -349,6 +349,54 @@ class SecurityConfigError(WeightdError):
     certificate files). Raised at start-up; the daemon exits with one line."""
 
 
+# --- same-host transports (shared-memory packs, pinned staging, CUDA IPC) ---------
+
+
+class TransportError(WeightdError):
+    """A same-host transport cannot serve a request that is itself fine.
+
+    The side channel marks these (``LocalError.transport``) so a client on
+    ``transport="auto"`` reports the failure and falls back to gRPC, which may well
+    succeed; every other error means the request is wrong and gRPC would refuse it too.
+    """
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class PackMemoryExhausted(TransportError):
+    """A pack does not fit: its budget is held by leased packs, or the kernel refused memory."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class PlacementUnavailable(TransportError):
+    """The daemon does not offer the placement asked for (CUDA IPC off, GPU not visible)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class CudaFailure(TransportError):
+    """A CUDA driver call failed while placing or pinning a pack."""
+
+
+class StaleGrant(WeightdError):
+    """A pack reference from an earlier daemon boot, or a pack that no longer exists."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class LocalProtocolError(WeightdError):
+    """A side-channel request that is malformed or out of order."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class CudaUnavailable(WeightdError):
+    """A start-up option needs CUDA (``--pin``, ``--cuda-ipc``) and this host has none."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status a failed RPC answers with. The only place codes are chosen."""
     if isinstance(error, WeightdError):

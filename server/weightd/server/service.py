@@ -140,6 +140,10 @@ class WeightsService(pb_grpc.WeightsServicer):
 
         return model.anchors.get(tensor, s.partition.key, s.partition.index, every_peer)
 
+    def slice_anchor(self, model: LoadedModel, s: TensorSlice, plan: RankPlan) -> str:
+        """The anchored digest of ``s``; rank packs are checked against the same anchors."""
+        return self._anchor(model, s, plan)
+
     def _stream(
         self, model: LoadedModel, plan: RankPlan, chunk: int, context: grpc.ServicerContext
     ) -> Iterator[pb.FetchResponse]:

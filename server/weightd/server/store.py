@@ -25,6 +25,10 @@ from .runs import RunPattern
 #: batch of rows costs one ``preadv`` (copying 64 KiB costs about what a syscall does).
 MAX_GAP_BYTES: Final = 64 << 10
 _IOV_MAX: Final = 1024
+#: Largest single read: Linux transfers at most 0x7ffff000 bytes per read call.
+_MAX_READ_BYTES: Final = 1 << 30
+#: Rows batched into one ``_read_rows`` call when filling a destination in place.
+_ROW_BATCH_BYTES: Final = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +172,34 @@ class ShardStore:
             self._read_rows(name, pattern, lo, hi, memoryview(buf))
             self.check(name)
             yield bytes(buf)
+
+    def read_pattern_into(self, name: str, pattern: RunPattern, dst: memoryview) -> None:
+        """Read the pattern's bytes, in output order, straight into ``dst`` (its exact size).
+
+        Rank packs are filled this way: from the page cache into their shared memory
+        with no intermediate buffer. The shard's identity is checked after the last
+        read, as :meth:`iter_pattern` does per piece.
+        """
+        if len(dst) != pattern.nbytes:
+            raise ValueError(f"destination holds {len(dst)} bytes, the pattern {pattern.nbytes}")
+        rb = pattern.row_bytes
+        out = 0
+        if pattern.count == 1 or rb > _ROW_BATCH_BYTES:
+            for off, length in pattern.ranges():
+                pos = 0
+                while pos < length:
+                    n = min(_MAX_READ_BYTES, length - pos)
+                    self.read_into(name, off + pos, dst[out : out + n])
+                    pos += n
+                    out += n
+        else:
+            rows = max(1, _ROW_BATCH_BYTES // rb)
+            for lo in range(0, pattern.count, rows):
+                hi = min(pattern.count, lo + rows)
+                n = (hi - lo) * rb
+                self._read_rows(name, pattern, lo, hi, dst[out : out + n])
+                out += n
+        self.check(name)
 
     def _read_rows(self, name: str, p: RunPattern, lo: int, hi: int, dst: memoryview) -> None:
         """Read rows ``lo..hi`` of ``p`` into ``dst`` with as few ``preadv`` calls as fit."""

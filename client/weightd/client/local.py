@@ -1,0 +1,139 @@
+"""The client end of the daemon's side socket: one connection, one request, one lease.
+
+The daemon greets every connection with a :class:`LocalHello` (boot id, what it can
+place where); the client sends one request and reads one answer (with the pack's
+memfd for a host pack). If the answer grants a lease, the connection *is* the
+lease: it stays open until :meth:`LocalConnection.close`, which the shm and CUDA
+IPC modules call when the last tensor viewing the pack is freed, or until the
+process dies, when the kernel closes it for us.
+
+Failures of the channel itself (no socket, a refused or broken connection, a
+malformed frame) are :class:`~weightd.client.errors.UnavailableError` marked with
+the transport's name, so ``transport="auto"`` can report them and fall back.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Final
+
+from google.protobuf.message import DecodeError
+
+from weightd.common.frames import FrameError, recv_frame, send_frame
+from weightd.v1 import local_pb2 as lpb
+
+from .errors import UnavailableError, WeightdError, error_for
+from .transports import PackRef
+
+#: Connecting and reading the hello take no longer than this.
+CONNECT_TIMEOUT_SECONDS: Final = 10.0
+
+
+class LocalConnection:
+    """A connection to ``path``; ``transport`` names the transport using it, for errors."""
+
+    def __init__(self, path: str, transport: str, timeout: float | None = None) -> None:
+        self.path = path
+        self.transport = transport
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = socket.socket(
+            socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC
+        )
+        try:
+            self._sock.settimeout(CONNECT_TIMEOUT_SECONDS)
+            self._sock.connect(path)
+            self.hello = lpb.LocalHello.FromString(self._recv(0)[0])
+        except BaseException:
+            self.close()
+            raise
+
+    def _broken(self, what: str, exc: BaseException) -> WeightdError:
+        return UnavailableError(f"side socket {self.path}: {what}: {exc}", transport=self.transport)
+
+    def _recv(self, max_fds: int) -> tuple[bytes, list[int]]:
+        assert self._sock is not None
+        try:
+            got = recv_frame(self._sock, max_fds)
+        except (OSError, FrameError) as exc:
+            raise self._broken("receiving", exc) from None
+        if got is None:
+            raise self._broken("receiving", ConnectionError("the daemon closed the connection"))
+        return got
+
+    def request(
+        self, request: lpb.LocalRequest, max_fds: int = 0
+    ) -> tuple[lpb.PackGrant, list[int]]:
+        """Send ``request``; the grant and the descriptors that came with it (caller owns them)."""
+        response, fds = self.exchange(request, max_fds)
+        if response.WhichOneof("response") != "grant":
+            for fd in fds:
+                os.close(fd)
+            raise self._broken("answer", ValueError("expected a pack grant"))
+        return response.grant, fds
+
+    def exchange(
+        self, request: lpb.LocalRequest, max_fds: int = 0
+    ) -> tuple[lpb.LocalResponse, list[int]]:
+        if self._sock is None:
+            raise self._broken("sending", ConnectionError("connection already closed"))
+        try:
+            self._sock.settimeout(self.timeout)
+            send_frame(self._sock, request.SerializeToString())
+        except (OSError, FrameError) as exc:
+            raise self._broken("sending", exc) from None
+        payload, fds = self._recv(max_fds)
+        try:
+            response = lpb.LocalResponse.FromString(payload)
+        except DecodeError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise self._broken("decoding the answer", exc) from None
+        if response.WhichOneof("response") == "error":
+            for fd in fds:
+                os.close(fd)
+            err = response.error
+            raise error_for(
+                err.code, err.detail, transport=self.transport if err.transport else None
+            )
+        return response, fds
+
+    def close(self) -> None:
+        """End the lease (if any). Idempotent and safe from any thread, finalizers included."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+
+def pack_ref(grant: lpb.PackGrant) -> PackRef:
+    return PackRef(
+        boot_id=grant.boot_id,
+        pack_id=grant.pack_id,
+        model=grant.model,
+        tp_size=grant.layout.tp_size,
+        tp_rank=grant.layout.tp_rank,
+        placement="cuda" if grant.placement == lpb.PLACEMENT_CUDA else "host",
+        size_bytes=grant.size_bytes,
+        gpu_uuid=grant.gpu_uuid,
+        pinned=grant.pinned,
+        built=grant.built,
+    )
+
+
+def attach_request(ref: PackRef, names: list[str]) -> lpb.LocalRequest:
+    return lpb.LocalRequest(
+        attach=lpb.AttachPack(boot_id=ref.boot_id, pack_id=ref.pack_id, names=names)
+    )
+
+
+def local_stats(path: str, timeout: float | None = 30.0) -> lpb.LocalStats:
+    """The daemon's pack table and budgets (for operators and tests)."""
+    conn = LocalConnection(path, "shm", timeout)
+    try:
+        response, _ = conn.exchange(lpb.LocalRequest(stats=lpb.PackStatsRequest()))
+        return response.stats
+    finally:
+        conn.close()

@@ -1,0 +1,190 @@
+"""Choosing the transport of a fetch, and fetching over the side socket (shm, CUDA IPC)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from weightd.v1 import local_pb2 as lpb
+from weightd.v1 import weightd_pb2 as pb
+
+from .cuda_ipc import device_uuid, map_cuda_pack
+from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError, WeightdError
+from .local import LocalConnection, attach_request, pack_ref
+from .shm import map_host_pack
+from .transports import FetchInfo, PackRef, TransportFailure, candidates, side_socket_path
+
+log = logging.getLogger("weightd.client")
+
+
+class NotApplicable(Exception):
+    """The transport does not apply here (not a failure): the daemon offers no CUDA IPC,
+    or not on this GPU. ``transport="auto"`` moves on quietly, recording the reason."""
+
+
+def _cuda_check(conn: LocalConnection, device: torch.device) -> str:
+    """The UUID to ask for, once the daemon's hello says it can place packs there."""
+    if lpb.PLACEMENT_CUDA not in conn.hello.placements:
+        raise NotApplicable("the daemon offers no CUDA IPC (started without --cuda-ipc)")
+    if not torch.cuda.is_available():
+        raise NotApplicable("this process has no CUDA")
+    uuid = device_uuid(device)
+    if uuid not in conn.hello.gpu_uuids:
+        raise NotApplicable(f"the daemon does not place packs on {device} (GPU {uuid})")
+    return uuid
+
+
+def negotiated_fetch(
+    target: str,
+    transport: str,
+    grpc_fetch: Callable[[], dict[str, torch.Tensor]],
+    *,
+    model: str,
+    world_size: int,
+    rank: int,
+    names: Sequence[str],
+    device: torch.device,
+    copy: bool,
+    verify: bool,
+    timeout: float | None,
+) -> tuple[dict[str, torch.Tensor], FetchInfo]:
+    """Try the candidate transports in order (see ``transports``); report every failure."""
+    side = side_socket_path(target)
+    try:
+        order, reason = candidates(
+            transport, device.type, side, side is not None and os.path.exists(side)
+        )
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    except LookupError as exc:
+        raise UnavailableError(str(exc), transport=transport) from None
+    failures: list[TransportFailure] = []
+    for i, name in enumerate(order):
+        try:
+            if name == "grpc":
+                state = grpc_fetch()
+                if device.type != "cpu":
+                    state = {n: t.to(device) for n, t in state.items()}
+                return state, FetchInfo("grpc", transport, reason, tuple(failures), copied=True)
+            assert side is not None
+            state, ref = fetch_local(
+                side,
+                name,
+                model=model,
+                world_size=world_size,
+                rank=rank,
+                names=names,
+                device=device,
+                copy=copy,
+                verify=verify,
+                timeout=timeout,
+            )
+            copied = copy or (name == "shm" and device.type != "cpu")
+            return state, FetchInfo(name, transport, reason, tuple(failures), ref, copied)
+        except NotApplicable as exc:
+            if transport != "auto":
+                raise FailedPreconditionError(str(exc), transport=name) from None
+            reason = f"{exc}; {reason}"
+        except WeightdError as exc:
+            if transport != "auto" or exc.transport is None or i == len(order) - 1:
+                raise
+            log.warning(
+                "weightd: %s transport failed for rank %d/%d, falling back to %s: %s",
+                name,
+                rank,
+                world_size,
+                order[i + 1],
+                exc,
+            )
+            failures.append(TransportFailure(name, exc))
+    raise AssertionError("unreachable: gRPC is always the last candidate")
+
+
+def fetch_local(
+    path: str,
+    transport: str,
+    *,
+    model: str,
+    world_size: int,
+    rank: int,
+    names: Sequence[str],
+    device: torch.device,
+    copy: bool,
+    verify: bool,
+    timeout: float | None,
+) -> tuple[dict[str, torch.Tensor], PackRef]:
+    """One rank's tensors through ``transport`` ("shm" or "cuda_ipc")."""
+    conn = LocalConnection(path, transport, timeout)
+    try:
+        acquire = lpb.AcquirePack(
+            model=model,
+            layout=pb.Layout(tp_size=world_size, tp_rank=rank),
+            names=list(names),
+            placement=lpb.PLACEMENT_HOST,
+        )
+        if transport == "cuda_ipc":
+            acquire.placement = lpb.PLACEMENT_CUDA
+            acquire.gpu_uuid = _cuda_check(conn, device)
+        grant, fds = conn.request(lpb.LocalRequest(acquire=acquire), max_fds=1)
+    except BaseException:
+        conn.close()
+        raise
+    return _map(grant, fds, conn, device, copy, verify), pack_ref(grant)
+
+
+def attach_local(
+    target: str,
+    ref: PackRef,
+    *,
+    names: Sequence[str],
+    device: torch.device,
+    copy: bool,
+    verify: bool,
+    timeout: float | None,
+) -> tuple[dict[str, torch.Tensor], FetchInfo]:
+    """A new lease on the pack ``ref`` names; refused if the daemon restarted since."""
+    path = side_socket_path(target)
+    if path is None:
+        raise FailedPreconditionError(f"{target} is not a Unix socket: no side channel")
+    transport = "cuda_ipc" if ref.placement == "cuda" else "shm"
+    conn = LocalConnection(path, transport, timeout)
+    try:
+        if conn.hello.boot_id != ref.boot_id:
+            raise FailedPreconditionError(
+                f"pack {ref.pack_id} was granted by daemon boot {ref.boot_id}; the daemon at "
+                f"{path} is boot {conn.hello.boot_id} (it restarted since): fetch again"
+            )
+        grant, fds = conn.request(attach_request(ref, list(names)), max_fds=1)
+    except BaseException:
+        conn.close()
+        raise
+    state = _map(grant, fds, conn, device, copy, verify)
+    copied = copy or (transport == "shm" and device.type != "cpu")
+    reason = "attached to a granted pack"
+    return state, FetchInfo(transport, transport, reason, (), pack_ref(grant), copied)
+
+
+def _map(
+    grant: lpb.PackGrant,
+    fds: list[int],
+    conn: LocalConnection,
+    device: torch.device,
+    copy: bool,
+    verify: bool,
+) -> dict[str, torch.Tensor]:
+    if grant.placement == lpb.PLACEMENT_CUDA:
+        if fds:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            raise FailedPreconditionError("a CUDA IPC grant came with a descriptor")
+        return map_cuda_pack(grant, conn, device=device, copy=copy, verify=verify)
+    if len(fds) != 1:
+        conn.close()
+        raise FailedPreconditionError(
+            f"a shared-memory grant came with {len(fds)} descriptors, not 1", transport="shm"
+        )
+    return map_host_pack(grant, fds[0], conn, copy=copy, verify=verify, device=device)

@@ -1,0 +1,195 @@
+"""The side socket: a Unix stream socket next to the gRPC one, passing packs' descriptors.
+
+Why a second socket: gRPC cannot pass file descriptors, and a lease must end when
+its holder dies, which a connection does by itself (the kernel closes it). So each
+connection carries one exchange (hello, request, answer with the memfd as
+``SCM_RIGHTS``) and at most one lease, held until the client closes the connection
+or its process exits. A thread per connection blocks in ``recv`` for that moment;
+connections beyond ``max_connections`` are refused with RESOURCE_EXHAUSTED.
+
+The socket is created beside the gRPC socket, in its 0700 directory, while the
+daemon holds the gRPC socket's ``flock``, so a stale side socket from a dead daemon
+is safe to replace and a live one is never stolen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from typing import Final
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from weightd.common.cuda_driver import CudaDriver
+from weightd.common.frames import FrameError, recv_frame, send_frame
+from weightd.v1 import local_pb2 as lpb
+
+from ..listen import ListenError
+from ..models import ModelRegistry
+from ..packs import AnchorFn
+from .local_service import PackService
+from .options import LOCAL_SOCKET_SUFFIX, LocalConfig
+
+log = logging.getLogger("weightd.local")
+
+#: A client has this long after connecting to send its request.
+REQUEST_TIMEOUT_SECONDS: Final = 30.0
+_REAP_INTERVAL_MAX: Final = 5.0
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _, _ = struct.unpack("3i", creds)
+    return int(pid)
+
+
+class LocalServer:
+    def __init__(self, path: str, service: PackService, max_connections: int) -> None:
+        self.path = path
+        self.service = service
+        self.max_connections = max_connections
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
+        service.connections = self._count
+
+    def _count(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def start(self) -> None:
+        """Bind and start serving. The caller holds the gRPC socket's lock."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise ListenError(f"{self.path} exists and is not a socket; refusing to replace it")
+            os.unlink(self.path)  # left by a daemon that died; we hold the lock
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(self.path)
+            os.chmod(self.path, 0o600)
+            listener.listen(128)
+        except OSError as exc:
+            listener.close()
+            raise ListenError(f"cannot listen on side socket {self.path}: {exc}") from None
+        self._listener = listener
+        interval = min(_REAP_INTERVAL_MAX, max(0.05, self.service.host.ttl_seconds / 4))
+        for target, name, args in (
+            (self._accept_loop, "weightd-local-accept", (listener,)),
+            (self._reap_loop, "weightd-local-reap", (interval,)),
+        ):
+            t = threading.Thread(target=target, name=name, args=args, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("side socket for shared-memory packs on %s", self.path)
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed by close()
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._refuse(conn)
+                continue
+            threading.Thread(
+                target=self._serve, args=(conn,), name="weightd-local-conn", daemon=True
+            ).start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        error = lpb.LocalError(
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+            detail=f"the daemon holds {self.max_connections} side-channel connections already",
+            transport=True,
+        )
+        with contextlib.suppress(OSError):
+            conn.settimeout(1.0)
+            send_frame(conn, lpb.LocalResponse(error=error).SerializeToString())
+        conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        lease = None
+        pid = 0
+        try:
+            pid = _peer_pid(conn)
+            conn.settimeout(REQUEST_TIMEOUT_SECONDS)
+            send_frame(conn, self.service.hello().SerializeToString())
+            got = recv_frame(conn)
+            if got is None:
+                return
+            try:
+                request = lpb.LocalRequest.FromString(got[0])
+            except DecodeError as exc:
+                raise FrameError(f"undecodable request: {exc}") from None
+            outcome = self.service.handle(request)
+            lease = outcome.lease
+            send_frame(conn, outcome.response.SerializeToString(), outcome.fds)
+            if lease is None:
+                return
+            log.debug("pid %d holds a lease on pack %d", pid, lease.pack_id)
+            conn.settimeout(None)
+            if conn.recv(1):
+                log.warning("pid %d sent data while holding a lease; lease ended", pid)
+        except (OSError, FrameError) as exc:
+            log.info("side-channel connection from pid %d ended: %s", pid, exc)
+        finally:
+            if lease is not None:
+                lease.release()
+                log.debug("pid %d released pack %d", pid, lease.pack_id)
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _reap_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.service.reap()
+            except Exception:
+                log.exception("freeing expired packs failed")
+
+    def close(self) -> None:
+        """Stop accepting, end every connection (and lease), free every pack."""
+        self._stop.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for t in self._threads:
+            t.join(timeout=5)
+        self.service.close()
+
+
+def start_local_server(
+    grpc_socket_path: str,
+    registry: ModelRegistry,
+    anchor: AnchorFn,
+    config: LocalConfig,
+    driver: CudaDriver | None,
+) -> LocalServer:
+    """The side socket for a daemon listening on ``grpc_socket_path``, started."""
+    service = PackService(registry, anchor, config, driver)
+    server = LocalServer(grpc_socket_path + LOCAL_SOCKET_SUFFIX, service, config.max_connections)
+    server.start()
+    return server

@@ -1,0 +1,303 @@
+"""The side channel's request handling: resolve, plan, lease a pack, answer. No sockets here.
+
+Like the gRPC servicer it is thin, and errors become a status in one place
+(:func:`~weightd.server.errors.status_for`); a :class:`TransportError` is flagged
+as the transport's own failure, so a client on ``transport="auto"`` falls back to
+gRPC instead of giving up.
+
+One host pack per (model content, world size, rank): the key is a fingerprint of the
+model's config and verified tensor digests, so a reload with identical bytes keeps
+its packs and a changed model never reuses a stale one. A GPU pack is built from the
+host pack (which must therefore fit the shared-memory budget too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import grpc
+
+from weightd.common.cuda_driver import CudaDriver
+from weightd.v1 import local_pb2 as lpb
+from weightd.v1 import weightd_pb2 as pb
+
+from ..errors import (
+    DataIntegrityError,
+    LocalProtocolError,
+    PlacementUnavailable,
+    StaleGrant,
+    TransportError,
+    status_for,
+)
+from ..models import LoadedModel, ModelRegistry
+from ..pack_cache import Lease, PackCache
+from ..packs import AnchorFn, HostPack, PackEntry, build_host_pack, layout_pack
+from .cuda_ipc import CudaPack, CudaPlacer
+from .options import LocalConfig
+from .pinned import HostPinner
+
+log = logging.getLogger("weightd.local")
+
+PROTOCOL_VERSION: Final = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PackInfo:
+    """What stats report about a pack (its key holds the model fingerprint instead)."""
+
+    model: str
+    tp_size: int
+    tp_rank: int
+    placement: lpb.Placement.ValueType
+    gpu_uuid: str = ""
+
+
+@dataclass
+class Outcome:
+    """An answer, the descriptors to pass with it, and the lease the connection now holds."""
+
+    response: lpb.LocalResponse
+    fds: list[int]
+    lease: Lease[HostPack] | Lease[CudaPack] | None = None
+
+
+def model_fingerprint(model: LoadedModel) -> str:
+    """Identity of what a model's packs contain: its config and every verified tensor."""
+    h = hashlib.sha256(model.checkpoint.config_json.encode())
+    for t in model.checkpoint.tensors.values():
+        h.update(f"\0{t.name}\0{t.dtype}\0{t.shape}\0{model.tensor_digests[t.name]}".encode())
+    return h.hexdigest()
+
+
+def _entries(entries: tuple[PackEntry, ...], names: list[str]) -> list[lpb.PackEntry]:
+    chosen = entries
+    if names:
+        by_name = {e.name: e for e in entries}
+        chosen = tuple(by_name[n] for n in names)  # names were checked by the planner
+    return [
+        lpb.PackEntry(
+            name=e.name,
+            dtype=e.dtype,
+            shape=e.shape,
+            offset=e.offset,
+            nbytes=e.nbytes,
+            digest=e.digest,
+            split_dim=e.split_dim,
+            replicated=e.replicated,
+        )
+        for e in chosen
+    ]
+
+
+class PackService:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        anchor: AnchorFn,
+        config: LocalConfig,
+        driver: CudaDriver | None = None,
+    ) -> None:
+        self.registry = registry
+        self.anchor = anchor
+        #: Open side-channel connections, for stats; the socket server sets it.
+        self.connections: Callable[[], int] = lambda: 0
+        self.boot_id = uuid.uuid4().hex
+        counter = itertools.count(1)
+        id_lock = threading.Lock()
+
+        def next_id() -> int:
+            with id_lock:
+                return next(counter)
+
+        self.host = PackCache[HostPack](
+            "shared-memory pack", config.resolved_host_budget(), config.ttl_seconds, next_id
+        )
+        self.pinner = (
+            HostPinner(driver, config.resolved_pin_budget()) if config.pin and driver else None
+        )
+        self.placer = CudaPlacer(driver) if config.cuda_ipc and driver else None
+        self.gpu: dict[str, PackCache[CudaPack]] = {
+            gpu: PackCache[CudaPack](
+                f"GPU {gpu} pack", config.cuda_budget_bytes, config.ttl_seconds, next_id
+            )
+            for gpu in (self.placer.gpus if self.placer else {})
+        }
+
+    def _caches(self) -> list[PackCache[HostPack] | PackCache[CudaPack]]:
+        return [self.host, *self.gpu.values()]
+
+    # --- requests --------------------------------------------------------------------------
+
+    def hello(self) -> lpb.LocalHello:
+        placements = [lpb.PLACEMENT_HOST] + ([lpb.PLACEMENT_CUDA] if self.placer else [])
+        return lpb.LocalHello(
+            protocol_version=PROTOCOL_VERSION,
+            boot_id=self.boot_id,
+            placements=placements,
+            gpu_uuids=sorted(self.gpu),
+            pid=os.getpid(),
+        )
+
+    def handle(self, request: lpb.LocalRequest) -> Outcome:
+        """Answer one request; every failure becomes a LocalError, never an exception."""
+        which = request.WhichOneof("request")
+        try:
+            if which == "acquire":
+                return self._acquire(request.acquire)
+            if which == "attach":
+                return self._attach(request.attach)
+            if which == "stats":
+                return Outcome(lpb.LocalResponse(stats=self.stats()), [])
+            raise LocalProtocolError(f"request {which or '(empty)'} is not one this daemon knows")
+        except Exception as exc:
+            code, detail = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.error("side-channel %s failed", which, exc_info=exc)
+            error = lpb.LocalError(
+                code=code.value[0], detail=detail, transport=isinstance(exc, TransportError)
+            )
+            return Outcome(lpb.LocalResponse(error=error), [])
+
+    def _acquire(self, req: lpb.AcquirePack) -> Outcome:
+        model = self.registry.get(req.model)
+        ws, rank = req.layout.tp_size, req.layout.tp_rank
+        if req.names:
+            model.plan(ws, rank, tuple(req.names))  # unknown or repeated names fail here
+        plan = model.plan(ws, rank)
+        key = (model_fingerprint(model), ws, rank)
+        label = f"{model.name}:tp{ws}:r{rank}"
+
+        def build() -> HostPack:
+            started = time.monotonic()
+            try:
+                pack = build_host_pack(model, plan, self.anchor, f"weightd:{label}")
+            except DataIntegrityError as exc:
+                self.registry.mark_broken(model, str(exc))
+                raise
+            if self.pinner is not None:
+                self.pinner.pin(pack)
+            log.info(
+                "built pack %s: %d tensors, %d bytes in %.3fs%s",
+                label,
+                len(pack.entries),
+                pack.size,
+                time.monotonic() - started,
+                " (pinned)" if pack.pinned else "",
+            )
+            return pack
+
+        _, size = layout_pack(plan.slices)
+        info = PackInfo(model.name, ws, rank, lpb.PLACEMENT_HOST)
+        host = self.host.acquire(key, size, info, build)
+        if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
+            return self._answer(host, list(req.names))
+        try:
+            if req.placement != lpb.PLACEMENT_CUDA:
+                raise LocalProtocolError(f"placement {req.placement} is not known")
+            cache = self.gpu.get(req.gpu_uuid)
+            if self.placer is None or cache is None:
+                offered = sorted(self.gpu) if self.placer else "none: started without --cuda-ipc"
+                raise PlacementUnavailable(
+                    f"the daemon cannot place packs on GPU {req.gpu_uuid or '(none named)'} "
+                    f"(GPUs it places on: {offered})"
+                )
+            placer = self.placer
+            gpu_info = PackInfo(model.name, ws, rank, lpb.PLACEMENT_CUDA, req.gpu_uuid)
+            lease = cache.acquire(
+                key, size, gpu_info, lambda: placer.place(host.pack, req.gpu_uuid)
+            )
+        finally:
+            host.release()  # the GPU copy stands alone; the host pack ages out by its TTL
+        return self._answer(lease, list(req.names))
+
+    def _attach(self, req: lpb.AttachPack) -> Outcome:
+        if req.boot_id != self.boot_id:
+            raise StaleGrant(
+                f"pack {req.pack_id} was granted by daemon boot {req.boot_id or '(none)'}; "
+                f"this daemon is boot {self.boot_id} (it restarted since): fetch again"
+            )
+        lease: Lease[HostPack] | Lease[CudaPack] | None = None
+        for cache in self._caches():
+            try:
+                lease = cache.attach(req.pack_id)
+                break
+            except StaleGrant:
+                continue
+        if lease is None:
+            raise StaleGrant(f"pack {req.pack_id} does not exist (any more) in this daemon")
+        known = {e.name for e in lease.pack.entries}
+        missing = [n for n in req.names if n not in known]
+        if missing:
+            lease.release()
+            raise LocalProtocolError(f"pack {req.pack_id} holds no tensor {missing[0]!r}")
+        return self._answer(lease, list(req.names))
+
+    def _answer(self, lease: Lease[HostPack] | Lease[CudaPack], names: list[str]) -> Outcome:
+        """The grant for a lease (entries for ``names``, or all), with what it must carry."""
+        info = lease.info
+        assert isinstance(info, PackInfo)
+        pack = lease.pack
+        grant = lpb.PackGrant(
+            boot_id=self.boot_id,
+            pack_id=lease.pack_id,
+            model=info.model,
+            layout=pb.Layout(tp_size=info.tp_size, tp_rank=info.tp_rank),
+            placement=info.placement,
+            size_bytes=pack.size,
+            entries=_entries(pack.entries, names),
+            built=lease.built,
+        )
+        if isinstance(pack, HostPack):
+            grant.pinned = pack.pinned
+            return Outcome(lpb.LocalResponse(grant=grant), [pack.fd], lease)
+        grant.cuda_ipc_handle = pack.handle
+        grant.gpu_uuid = pack.gpu_uuid
+        return Outcome(lpb.LocalResponse(grant=grant), [], lease)
+
+    # --- upkeep ----------------------------------------------------------------------------
+
+    def stats(self) -> lpb.LocalStats:
+        out = lpb.LocalStats(
+            host_bytes=self.host.used_bytes,
+            host_budget_bytes=self.host.budget_bytes,
+            pinned_bytes=self.pinner.pinned_bytes if self.pinner else 0,
+            pin_budget_bytes=self.pinner.budget_bytes if self.pinner else 0,
+            cuda_bytes=sum(c.used_bytes for c in self.gpu.values()),
+            cuda_budget_bytes=sum(c.budget_bytes for c in self.gpu.values()),
+            connections=self.connections(),
+        )
+        for cache in self._caches():
+            out.builds_total += cache.builds_total
+            out.evictions_total += cache.evictions_total
+            for s in cache.states():
+                info = s.info
+                assert isinstance(info, PackInfo)
+                out.packs.add(
+                    pack_id=s.pack_id,
+                    model=info.model,
+                    layout=pb.Layout(tp_size=info.tp_size, tp_rank=info.tp_rank),
+                    placement=info.placement,
+                    gpu_uuid=info.gpu_uuid,
+                    size_bytes=s.size,
+                    leases=s.leases,
+                    idle_seconds=s.idle_seconds,
+                    pinned=isinstance(s.pack, HostPack) and s.pack.pinned,
+                )
+        return out
+
+    def reap(self) -> None:
+        for cache in self._caches():
+            cache.reap()
+
+    def close(self) -> None:
+        for cache in reversed(self._caches()):
+            cache.close()

@@ -1,0 +1,65 @@
+"""Building a rank pack in process: sealed, aligned, verified against the anchors."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+from weightd.server.errors import DataIntegrityError
+from weightd.server.models import ModelRegistry, load_model
+from weightd.server.packs import PACK_ALIGN, PACK_SEALS, build_host_pack
+from weightd.server.service import WeightsService
+
+
+def _open_fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+def test_pack_holds_exactly_the_verified_slices(demo_model: Path) -> None:
+    model = load_model(str(demo_model))
+    service = WeightsService(ModelRegistry())
+    try:
+        plan = model.plan(2, 1)
+        pack = build_host_pack(model, plan, service.slice_anchor, "test:tp2:r1")
+        try:
+            assert fcntl.fcntl(pack.fd, fcntl.F_GET_SEALS) == PACK_SEALS
+            assert [e.name for e in pack.entries] == [s.name for s in plan.slices]
+            for e, s in zip(pack.entries, plan.slices, strict=True):
+                assert e.offset % PACK_ALIGN == 0 and e.nbytes == s.nbytes
+                want = b"".join(model.store.iter_pattern(s.shard, s.pattern, 1 << 20))
+                assert pack.mapping[e.offset : e.offset + e.nbytes] == want, e.name
+                assert e.digest == service.slice_anchor(model, s, plan)
+            # Sealed: nobody, the daemon included, can write, shrink or grow it.
+            for attempt in (
+                lambda: os.pwrite(pack.fd, b"x", 0),
+                lambda: os.ftruncate(pack.fd, 0),
+                lambda: os.ftruncate(pack.fd, pack.size * 2),
+                lambda: fcntl.fcntl(pack.fd, fcntl.F_ADD_SEALS, 0),
+            ):
+                with pytest.raises(PermissionError) as err:
+                    attempt()
+                assert err.value.errno == errno.EPERM
+        finally:
+            pack.close()
+    finally:
+        model.store.close()
+
+
+def test_bytes_that_do_not_match_the_anchor_are_never_published(demo_model: Path) -> None:
+    model = load_model(str(demo_model))
+    try:
+        plan = model.plan(2, 0)
+        before = _open_fds()
+
+        def wrong_anchor(*_: object) -> str:
+            return "sha256:" + "0" * 64
+
+        with pytest.raises(DataIntegrityError, match="bytes copied into pack test:tp2:r0 hash"):
+            build_host_pack(model, plan, wrong_anchor, "test:tp2:r0")
+        assert _open_fds() == before  # the memfd and its mappings are gone
+    finally:
+        model.store.close()
