@@ -52,8 +52,12 @@ def daemon(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     ]
     with run_daemon(tmp, [("llama", demo_model)], extra) as d:
         with WeightClient(d.target, timeout=60) as client:
-            client.fetch(0, 2)  # something served: bytes, latency and RPC series exist
-        yield d
+            # something served over gRPC: bytes, latency and RPC series exist ...
+            client.fetch(0, 2, transport="grpc")
+            # ... and a shared-memory pack, leased while these tensors live
+            held = client.fetch(1, 2, transport="shm")
+            yield d
+            del held
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,8 @@ def test_promtool_check_metrics_passes_on_a_real_scrape(metrics_url: str) -> Non
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "" and done.stderr.strip() == "", done.stdout + done.stderr
     for needed in (
+        "weightd_shm_pack_bytes",
+        "weightd_shm_pack_leases",
         "weightd_model_resident_bytes",
         "weightd_model_mapped_bytes",
         "weightd_served_bytes_total",

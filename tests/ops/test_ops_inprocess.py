@@ -54,9 +54,9 @@ def daemon_in_process(
 def test_metrics_follow_rpcs_and_memory(tmp_path: Path, demo_model: Path) -> None:
     with daemon_in_process(tmp_path, [("llama", str(demo_model))]) as (daemon, reg):
         with WeightClient(daemon.target, timeout=60) as client:
-            state = client.fetch(0, 2)
+            state = client.fetch(0, 2, transport="grpc")
             with pytest.raises(NotFoundError):
-                client.fetch(0, 2, model="nope")
+                client.fetch(0, 2, model="nope", transport="grpc")
         sent = sum(t.numel() * t.element_size() for t in state.values())
 
         def value(name: str, **labels: str) -> float | None:

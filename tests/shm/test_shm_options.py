@@ -44,7 +44,7 @@ def test_cuda_options_fail_at_start_without_cuda(tmp_path: Path, flags: list[str
 
 def test_pin_needs_the_side_socket(tmp_path: Path) -> None:
     done = subprocess.run(
-        weightd_command("serve", "--listen", "127.0.0.1:0", "--pin"),
+        weightd_command("serve", "--listen", "127.0.0.1:0", "--insecure", "--pin"),
         capture_output=True,
         text=True,
         timeout=120,

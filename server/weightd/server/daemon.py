@@ -19,7 +19,14 @@ from prometheus_client import CollectorRegistry
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from . import lifecycle, listeners, logs
-from .collectors import GpuMemoryCollector, ModelCollector
+from .collectors import (
+    GpuMemoryCollector,
+    ModelCollector,
+    PinnedMemoryCollector,
+    PinnedState,
+    ShmPackCollector,
+    ShmPackState,
+)
 from .guards import AdminGate, FetchGuard, StreamWatchdog
 from .interceptors import InflightTracker, RpcObserver
 from .listen import Address, ListenError, parse_address, prepare_unix_socket
@@ -153,6 +160,21 @@ class Daemon:
                 lock.close()
 
 
+def _register_local_collectors(registry: CollectorRegistry, local: LocalServer) -> None:
+    """Shared-memory pack and pinned-memory series, read from the side socket on scrape."""
+    packs = local.service
+
+    def shm_states() -> list[ShmPackState]:
+        return [ShmPackState(m, size, n) for m, (size, n) in sorted(packs.host_usage().items())]
+
+    registry.register(ShmPackCollector(shm_states))
+    pinner = packs.pinner
+    if pinner is not None:
+        registry.register(
+            PinnedMemoryCollector(lambda: PinnedState(pinner.pinned_bytes, pinner.budget_bytes))
+        )
+
+
 def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | None = None) -> Daemon:
     """Bind and start every listener (health NOT_SERVING); models are loaded separately.
 
@@ -231,6 +253,8 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             daemon.local = start_local_server(
                 address.path, registry, service.slice_anchor, config.local, driver
             )
+            if metrics_registry is not None:
+                _register_local_collectors(metrics_registry, daemon.local)
         if warning:
             log.warning("%s", warning)
         if admin_address is not None:

@@ -186,8 +186,14 @@ def _entry(path: str, name: str, info: Any) -> HeaderEntry:
         raise TensorEntryError(path, f"tensor {name!r}: unknown field {sorted(extra)[0]!r}")
     dtype = info["dtype"]
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        shown = dtype if isinstance(dtype, str) and len(dtype) <= 32 else type(dtype).__name__
-        raise DtypeError(path, f"tensor {name!r}: dtype {shown!r} is not a safetensors dtype")
+        if isinstance(dtype, str):
+            shown = repr(dtype[:32]) + ("..." if len(dtype) > 32 else "")
+            raise DtypeError(path, f"tensor {name!r}: dtype {shown} is not a safetensors dtype")
+        raise DtypeError(
+            path,
+            f"tensor {name!r}: dtype must be a string, got {type(dtype).__name__} "
+            f"{repr(dtype)[:32]}",
+        )
     shape = _int_list(path, name, "shape", info["shape"], ShapeError)
     if any(d < 0 for d in shape):
         raise ShapeError(path, f"tensor {name!r}: shape {shape} has a negative dimension")

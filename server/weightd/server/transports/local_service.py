@@ -132,6 +132,15 @@ class PackService:
             for gpu in (self.placer.gpus if self.placer else {})
         }
 
+    def host_usage(self) -> dict[str, tuple[int, int]]:
+        """Model name -> (bytes, leases) of its shared-memory packs, for the metrics."""
+        usage: dict[str, tuple[int, int]] = {}
+        for state in self.host.states():
+            if isinstance(state.info, PackInfo):
+                size, leases = usage.get(state.info.model, (0, 0))
+                usage[state.info.model] = (size + state.size, leases + state.leases)
+        return usage
+
     def _caches(self) -> list[PackCache[HostPack] | PackCache[CudaPack]]:
         return [self.host, *self.gpu.values()]
 
