@@ -50,14 +50,16 @@ def daemon(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "--reflection",
         "--log-json",
     ]
-    with run_daemon(tmp, [("llama", demo_model)], extra) as d:
-        with WeightClient(d.target, timeout=60) as client:
-            # something served over gRPC: bytes, latency and RPC series exist ...
-            client.fetch(0, 2, transport="grpc")
-            # ... and a shared-memory pack, leased while these tensors live
-            held = client.fetch(1, 2, transport="shm")
-            yield d
-            del held
+    with (
+        run_daemon(tmp, [("llama", demo_model)], extra) as d,
+        WeightClient(d.target, timeout=60) as client,
+    ):
+        # something served over gRPC: bytes, latency and RPC series exist ...
+        client.fetch(0, 2, transport="grpc")
+        # ... and a shared-memory pack, leased while these tensors live
+        held = client.fetch(1, 2, transport="shm")
+        yield d
+        del held
 
 
 @pytest.fixture(scope="module")
