@@ -404,8 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     restart, restart_verify = unix.ready_seconds, verify_seconds(unix.log)
     tcp = start_daemon(ckpt, "127.0.0.1:0", work / "daemon-tcp.log", ["--insecure"])
     cases = [Case(n) for n in PEERS] + [
-        Case("weightd-grpc-unix", unix.target),
-        Case("weightd-grpc-tcp", tcp.target),
+        Case("weightd-grpc-unix", unix.target, "grpc"),
+        Case("weightd-grpc-tcp", tcp.target, "grpc"),
+        Case("weightd-shm", unix.target, "shm"),
     ]
     results: list[Result] = []
     first_fetch: dict[int, float] = {}

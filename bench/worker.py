@@ -89,10 +89,10 @@ def load_peer(case: str, ckpt: Path, rank: int, ws: int) -> dict[str, torch.Tens
 def load_weightd(target: str, rank: int, ws: int, transport: str) -> dict[str, torch.Tensor]:
     from weightd.client import WeightClient
 
-    with WeightClient(target, timeout=600) as client:
-        if transport == "grpc":
-            return client.fetch(rank, ws)
-        return client.fetch(rank, ws, transport=transport)  # type: ignore[call-arg]
+    client = WeightClient(target, timeout=600)
+    # Shared-memory tensors view the daemon's pack; the client's lease lives as long
+    # as they do, so the client is not closed here.
+    return client.fetch(rank, ws, transport=transport)  # type: ignore[arg-type]
 
 
 def touch(state: dict[str, torch.Tensor]) -> int:

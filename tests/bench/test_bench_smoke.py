@@ -37,7 +37,7 @@ def test_bench_smoke_run_produces_table_json_and_chart(tmp_path: Path) -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "all 5 cases deliver identical slices" in done.stdout
+    assert "all 6 cases deliver identical slices" in done.stdout
     (run,) = (tmp_path / "out").iterdir()
     result = json.loads((run / "results.json").read_text())
     cases = {(r["case"], r["cache"]) for r in result["rows"]}
@@ -47,6 +47,7 @@ def test_bench_smoke_run_produces_table_json_and_chart(tmp_path: Path) -> None:
         "best-local",
         "weightd-grpc-unix",
         "weightd-grpc-tcp",
+        "weightd-shm",
     ):
         assert (case, "first") in cases
     assert all(r["payload_bytes"] > 0 for r in result["rows"])
