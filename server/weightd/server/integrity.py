@@ -12,11 +12,11 @@ on the server (DATA_LOSS) and, independently, by the client.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Final
 
 import blake3
@@ -26,6 +26,7 @@ from weightd.common.digests import format_digest, slice_digest
 
 from .checkpoint import Checkpoint, TensorInfo
 from .errors import DataIntegrityError
+from .hashing import ShardJob, TensorRange, hash_shards
 from .runs import RunPattern
 from .store import ShardStore
 
@@ -36,33 +37,29 @@ BLOCK_BYTES: Final = 16 << 20
 def hash_checkpoint(
     ckpt: Checkpoint, store: ShardStore, threads: int | None = None
 ) -> dict[str, str]:
-    """BLAKE3 of every tensor, reading each shard sequentially once, shards in parallel."""
-    by_shard: dict[str, list[TensorInfo]] = {}
+    """BLAKE3 of every tensor of an open checkpoint (no file SHA-256).
+
+    The same single pass per shard that verification uses (:mod:`.hashing`), for
+    callers that hold a checkpoint and its store rather than a directory.
+    """
+    ranges: dict[str, list[TensorRange]] = {s: [] for s in ckpt.shards}
     for t in ckpt.tensors.values():
-        by_shard.setdefault(t.shard, []).append(t)
-    workers = max(1, min(threads or os.cpu_count() or 1, len(by_shard)))
+        ranges[t.shard].append(TensorRange(t.name, t.offset, t.nbytes))
+    jobs = [
+        ShardJob(
+            shard,
+            store.shard(shard).path,
+            store.shard(shard).fd,
+            store.shard(shard).identity.size,
+            tuple(sorted(rs, key=lambda r: r.offset)),
+            sha256=False,
+            check=functools.partial(store.check, shard),
+        )
+        for shard, rs in ranges.items()
+    ]
     out: dict[str, str] = {}
-    with ThreadPoolExecutor(workers, thread_name_prefix="weightd-hash") as pool:
-        for result in pool.map(lambda s: _hash_shard(store, s, by_shard[s]), by_shard):
-            out.update(result)
-    return out
-
-
-def _hash_shard(store: ShardStore, shard: str, tensors: list[TensorInfo]) -> dict[str, str]:
-    tensors = sorted(tensors, key=lambda t: t.offset)
-    out: dict[str, str] = {}
-    buf = bytearray(BLOCK_BYTES)
-    view = memoryview(buf)
-    for t in tensors:
-        hasher = blake3.blake3()
-        pos = 0
-        while pos < t.nbytes:
-            n = min(BLOCK_BYTES, t.nbytes - pos)
-            store.read_into(shard, t.offset + pos, view[:n])
-            hasher.update(view[:n])
-            pos += n
-        out[t.name] = format_digest(TENSOR_DIGEST_ALGORITHM, hasher.hexdigest())
-    store.check(shard)
+    for digests in hash_shards(jobs, threads).values():
+        out.update(digests.tensors)
     return out
 
 
