@@ -169,6 +169,12 @@ def stop_daemon(d: Daemon) -> None:
         d.process.wait()
 
 
+def _cuda_available() -> bool:
+    """CUDA usable by this host's torch (checked in a child: this process stays CUDA-free)."""
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", probe], check=False).returncode == 0
+
+
 def verify_seconds(log: Path) -> float | None:
     m = re.search(r"verified model=\S+ .*seconds=([0-9.]+)", log.read_text(errors="replace"))
     return float(m.group(1)) if m else None
@@ -397,10 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     # Daemon start-up: cold (page cache evicted) and a restart on the unchanged files.
     evict(shards)
     sock = work / "run" / "weightd.sock"
-    unix = start_daemon(ckpt, f"unix://{sock}", work / "daemon-unix.log")
+    # On a GPU host the Unix daemon also places packs on the GPU (CUDA IPC case).
+    gpu = _cuda_available()
+    gpu_flags = ["--cuda-ipc"] if gpu else []
+    unix = start_daemon(ckpt, f"unix://{sock}", work / "daemon-unix.log", gpu_flags)
     cold_start, cold_verify = unix.ready_seconds, verify_seconds(unix.log)
     stop_daemon(unix)
-    unix = start_daemon(ckpt, f"unix://{sock}", work / "daemon-unix.log")
+    unix = start_daemon(ckpt, f"unix://{sock}", work / "daemon-unix.log", gpu_flags)
     restart, restart_verify = unix.ready_seconds, verify_seconds(unix.log)
     tcp = start_daemon(ckpt, "127.0.0.1:0", work / "daemon-tcp.log", ["--insecure"])
     cases = [Case(n) for n in PEERS] + [
@@ -408,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         Case("weightd-grpc-tcp", tcp.target, "grpc"),
         Case("weightd-shm", unix.target, "shm"),
     ]
+    if gpu:
+        cases.append(Case("weightd-cuda-ipc", unix.target, "cuda_ipc"))
     results: list[Result] = []
     first_fetch: dict[int, float] = {}
     try:

@@ -90,9 +90,10 @@ def load_weightd(target: str, rank: int, ws: int, transport: str) -> dict[str, t
     from weightd.client import WeightClient
 
     client = WeightClient(target, timeout=600)
-    # Shared-memory tensors view the daemon's pack; the client's lease lives as long
-    # as they do, so the client is not closed here.
-    return client.fetch(rank, ws, transport=transport)  # type: ignore[arg-type]
+    # Shared-memory and CUDA IPC tensors view the daemon's pack; the client's lease
+    # lives as long as they do, so the client is not closed here.
+    device = "cuda:0" if transport == "cuda_ipc" else "cpu"
+    return client.fetch(rank, ws, transport=transport, device=device)  # type: ignore[arg-type]
 
 
 def touch(state: dict[str, torch.Tensor]) -> int:
@@ -104,6 +105,9 @@ def touch(state: dict[str, torch.Tensor]) -> int:
     """
     total = 0
     for t in state.values():
+        if t.device.type != "cpu":
+            torch.cuda.synchronize(t.device)  # GPU tensors are resident once the copy ends
+            continue
         if t.numel():
             flat = t.reshape(-1).view(torch.uint8)
             total += int(flat[::4096].sum())
@@ -113,7 +117,7 @@ def touch(state: dict[str, torch.Tensor]) -> int:
 def state_digest(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(state):
-        t = state[name].contiguous()
+        t = state[name].contiguous().cpu()
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
