@@ -411,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     stop_daemon(unix)
     unix = start_daemon(ckpt, f"unix://{sock}", work / "daemon-unix.log", gpu_flags)
     restart, restart_verify = unix.ready_seconds, verify_seconds(unix.log)
-    tcp = start_daemon(ckpt, "127.0.0.1:0", work / "daemon-tcp.log", ["--insecure"])
+    tcp = start_daemon(
+        ckpt, "127.0.0.1:0", work / "daemon-tcp.log", ["--insecure", "--admin-listen", "none"]
+    )
     cases = [Case(n) for n in PEERS] + [
         Case("weightd-grpc-unix", unix.target, "grpc"),
         Case("weightd-grpc-tcp", tcp.target, "grpc"),

@@ -102,6 +102,9 @@ def run_daemon(
     sock = tmp / "run" / "weightd.sock"
     log_path = tmp / "daemon.log"
     args = ["serve", "--listen", listen or f"unix://{sock}"]
+    if listen is not None and "--admin-listen" not in extra:
+        # A TCP daemon's admin socket would default to the machine-wide directory.
+        args += ["--admin-listen", f"unix://{tmp}/run/admin.sock"]
     for name, directory in models:
         args += ["--model", f"{name}={directory}"]
     env = dict(os.environ, WEIGHTD_CACHE_DIR=str(tmp / "cache"))

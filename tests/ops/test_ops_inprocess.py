@@ -38,6 +38,9 @@ def daemon_in_process(
     tmp: Path, models: list[tuple[str | None, str]], **overrides: Any
 ) -> Iterator[tuple[Daemon, CollectorRegistry]]:
     registry = CollectorRegistry()
+    # The admin socket stays in this test's directory, whatever the worker listens on
+    # (by default a TCP daemon's admin socket would go to the machine-wide directory).
+    overrides.setdefault("admin_listen", f"unix://{tmp}/run/admin.sock")
     config = ServeConfig(
         models=models,
         listen=overrides.pop("listen", f"unix://{tmp}/run/weightd.sock"),
