@@ -362,6 +362,12 @@ class AdapterNotFound(WeightdError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class NoAdapters(WeightdError):
+    """The daemon was started without adapter serving."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class AdapterBudgetExhausted(ResourceLimitError):
     """An adapter does not fit the adapter budget even after evicting every adapter that
     is neither leased nor pinned; nothing was evicted."""

@@ -52,6 +52,7 @@ class LoadedAdapter:
     data: bytes  # the whole adapter_model.safetensors, as verified
     tensor_digests: dict[str, str]  # file tensor name -> "blake3:<hex>"
     digest: str  # "sha256:<hex>" over both files, see adapter_digest
+    base_model: str = ""  # the served model it was verified against
 
     @property
     def nbytes(self) -> int:
@@ -141,4 +142,4 @@ def load_adapter(
     digest = adapter_digest(config_file.sha256, hashlib.sha256(data).hexdigest())
     if expected_digest is not None and expected_digest != digest:
         raise DigestMismatchError(root, f"adapter digest: expected {expected_digest}, got {digest}")
-    return LoadedAdapter(root, config, modules, data, digests, digest)
+    return LoadedAdapter(root, config, modules, data, digests, digest, base.name)
