@@ -1,0 +1,116 @@
+"""Adapters through a real daemon process: admin load/replace/unload/pin, watch, fetch per rank."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.adapters.conftest import Fixture
+from tests.conftest import run_daemon
+from tests.models import expected_slice
+from weightd.client import WeightClient
+from weightd.client.adapters import AdapterEvent
+from weightd.client.admin import AdminClient
+from weightd.client.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+
+PREFIX = "base_model.model."
+
+
+def expected(
+    adapter_dir: Path, ws: int, rank: int, config: dict[str, object]
+) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
+        served = name.removeprefix(PREFIX)
+        module = served.rsplit(".", 2)[0]
+        base = f"{module}.weight"
+        row = module.endswith(("o_proj", "down_proj"))
+        cut = (row and ".lora_A." in served) or (not row and ".lora_B." in served)
+        out[served] = expected_slice(base, t, config, ws, rank) if cut else t
+    return out
+
+
+def test_load_watch_fetch_replace_unload(lora: Fixture, tmp_path: Path) -> None:
+    import json
+
+    config = json.loads((lora.base_dir / "config.json").read_text())
+    extra = ["--adapter-root", str(lora.root)]
+    with run_daemon(tmp_path, [("tiny-llama", lora.base_dir)], extra) as d:
+        admin = AdminClient(f"unix://{tmp_path / 'run' / 'admin.sock'}", timeout=60)
+        client = WeightClient(d.target, timeout=60)
+        events: list[AdapterEvent] = []
+        watch = client.watch_adapters()
+        seen_three = threading.Event()
+
+        def follow() -> None:
+            for e in watch:
+                events.append(e)
+                if len(events) == 3:
+                    seen_three.set()
+
+        follower = threading.Thread(target=follow)
+        follower.start()
+
+        v1 = admin.load_adapter("a", str(lora.adapter_dir))
+        assert (v1.name, v1.base_model, v1.pinned, v1.leases) == ("a", "tiny-llama", False, 0)
+        for rank in range(2):
+            got = client.fetch_adapter("a", rank, 2)
+            assert (got.version, got.digest) == (v1.version, v1.digest)
+            want = expected(lora.adapter_dir, 2, rank, config)
+            assert got.tensors.keys() == want.keys()
+            for k in want:
+                assert torch.equal(got.tensors[k], want[k]), k
+            assert got.scaling["model.layers.0.mlp.down_proj"] == 4.0
+
+        # A bad load (outside the roots) changes nothing.
+        with pytest.raises(FailedPreconditionError, match="outside the adapter roots"):
+            admin.load_adapter("a", str(lora.base_dir))
+        with pytest.raises(DataLossError, match="adapter digest: expected sha256:00"):
+            admin.load_adapter("a", str(lora.second_dir), expected_digest="sha256:" + "0" * 64)
+        assert [(s.name, s.version) for s in admin.list_adapters()] == [("a", v1.version)]
+
+        v2 = admin.load_adapter("a", str(lora.second_dir))
+        assert v2.version > v1.version and v2.digest != v1.digest
+        got = client.fetch_adapter("a", 1, 2)
+        assert got.version == v2.version
+        want = expected(lora.second_dir, 2, 1, config)
+        assert all(torch.equal(got.tensors[k], want[k]) for k in want)
+
+        assert admin.pin_adapter("a").pinned
+        assert not admin.pin_adapter("a", False).pinned
+        admin.unload_adapter("a")
+        with pytest.raises(NotFoundError, match="no adapter named 'a' is loaded"):
+            client.fetch_adapter("a", 0, 2)
+        assert seen_three.wait(60)
+        watch.close()
+        follower.join(60)
+        assert [(e.kind, e.name, e.version) for e in events[:3]] == [
+            ("load", "a", v1.version),
+            ("replace", "a", v2.version),
+            ("unload", "a", v2.version),
+        ]
+
+        # Admin RPCs are refused on the worker listener.
+        worker_admin = AdminClient(d.target, timeout=60)
+        with pytest.raises(PermissionDeniedError):
+            worker_admin.list_adapters()
+        for c in (admin, client, worker_admin):
+            c.close()
+
+
+def test_daemon_without_roots_refuses_loads(lora: Fixture, tmp_path: Path) -> None:
+    with run_daemon(tmp_path, [("tiny-llama", lora.base_dir)]) as d:
+        with AdminClient(f"unix://{tmp_path / 'run' / 'admin.sock'}", timeout=60) as admin:
+            with pytest.raises(FailedPreconditionError, match="no adapter roots are configured"):
+                admin.load_adapter("a", str(lora.adapter_dir))
+            assert admin.list_adapters() == []
+        assert d.process.poll() is None
