@@ -7,12 +7,14 @@ daemon's 0700 socket directory, or TCP with mutual TLS and an allowed client ide
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
+from .adapters import AdapterStatus, status_of
 from .errors import from_rpc_error
 
 
@@ -49,6 +51,40 @@ class AdminClient:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return ReloadResult(r.model, r.num_tensors, r.total_bytes, r.verify_seconds)
+
+    def load_adapter(
+        self,
+        name: str,
+        source_dir: str,
+        *,
+        model: str | None = None,
+        expected_digest: str | None = None,
+    ) -> AdapterStatus:
+        """Load (or atomically replace) adapter ``name`` from a directory under an adapter root."""
+        request = pb.LoadAdapterRequest(
+            name=name,
+            source_dir=source_dir,
+            expected_digest=expected_digest or "",
+            model=model or "",
+        )
+        return status_of(self._call(self._stub.LoadAdapter, request))
+
+    def unload_adapter(self, name: str) -> AdapterStatus:
+        return status_of(self._call(self._stub.UnloadAdapter, pb.AdapterNameRequest(name=name)))
+
+    def pin_adapter(self, name: str, pinned: bool = True) -> AdapterStatus:
+        method = self._stub.PinAdapter if pinned else self._stub.UnpinAdapter
+        return status_of(self._call(method, pb.AdapterNameRequest(name=name)))
+
+    def list_adapters(self) -> list[AdapterStatus]:
+        r = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest())
+        return [status_of(a) for a in r.adapters]
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
 
     def close(self) -> None:
         self._channel.close()

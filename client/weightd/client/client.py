@@ -31,6 +31,7 @@ from weightd.common.digests import slice_digest
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
+from .adapters import AdapterWatch, AdapterWeights, fetch_adapter
 from .dtypes import torch_dtype
 from .errors import DataLossError, InvalidArgumentError, WeightdError, from_rpc_error
 from .layout import Layout
@@ -115,6 +116,54 @@ class _Incoming:
         return self.tensor
 
 
+def receive_slices(
+    stream: Any, first: list[pb.FetchResponse] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every slice of a Fetch-format stream, digest-checked; never a partial result.
+
+    ``first``, when given (empty), receives the stream's first message (FetchAdapter
+    names the adapter version there).
+    """
+    out: dict[str, torch.Tensor] = {}
+    incoming: list[_Incoming] = []
+    done: pb.FetchDone | None = None
+    try:
+        for response in stream:
+            if first is not None and not first:
+                first.append(response)
+            if done is not None:
+                raise DataLossError("the daemon sent data after closing the stream")
+            for chunk in response.chunks:
+                if chunk.HasField("header"):
+                    if chunk.index != len(incoming):
+                        raise DataLossError(
+                            f"tensor header {chunk.index} arrived after {len(incoming)} headers"
+                        )
+                    incoming.append(_Incoming(chunk.header))
+                elif chunk.index >= len(incoming):
+                    raise DataLossError(f"chunk for tensor {chunk.index} arrived before its header")
+                item = incoming[chunk.index]
+                item.write(chunk)
+                if chunk.digest:
+                    if item.name in out:
+                        raise DataLossError(f"tensor {item.name!r} was sent twice")
+                    out[item.name] = item.finish(chunk.digest)
+            if response.HasField("done"):
+                done = response.done
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None
+    except WeightdError:
+        stream.cancel()
+        raise
+    if done is None:
+        raise DataLossError("the stream ended before the daemon marked it complete")
+    if done.num_tensors != len(out) or len(incoming) != len(out):
+        raise DataLossError(
+            f"the daemon announced {done.num_tensors} tensors; {len(out)} arrived complete"
+        )
+    return out
+
+
 class WeightClient:
     """A connection to one weightd daemon.
 
@@ -158,6 +207,14 @@ class WeightClient:
         self.close()
 
     # --- metadata --------------------------------------------------------------------
+
+    def fetch_adapter(self, name: str, rank: int, world_size: int) -> AdapterWeights:
+        """Rank ``rank``'s slices of the current version of adapter ``name`` (gRPC)."""
+        return fetch_adapter(self._stub, name, rank, world_size, self.timeout, self.chunk_bytes)
+
+    def watch_adapters(self, timeout: float | None = None) -> AdapterWatch:
+        """Adapter events: a load for each adapter loaded now, then every change in order."""
+        return AdapterWatch(self._stub, timeout)
 
     def list_models(self) -> list[ModelInfo]:
         try:
@@ -327,45 +384,7 @@ class WeightClient:
             names=list(names or ()),
             max_chunk_bytes=self.chunk_bytes,
         )
-        out: dict[str, torch.Tensor] = {}
-        incoming: list[_Incoming] = []
-        done: pb.FetchDone | None = None
-        stream = self._stub.Fetch(request, timeout=self.timeout)
-        try:
-            for response in stream:
-                if done is not None:
-                    raise DataLossError("the daemon sent data after closing the stream")
-                for chunk in response.chunks:
-                    if chunk.HasField("header"):
-                        if chunk.index != len(incoming):
-                            raise DataLossError(
-                                f"tensor header {chunk.index} arrived after {len(incoming)} headers"
-                            )
-                        incoming.append(_Incoming(chunk.header))
-                    elif chunk.index >= len(incoming):
-                        raise DataLossError(
-                            f"chunk for tensor {chunk.index} arrived before its header"
-                        )
-                    item = incoming[chunk.index]
-                    item.write(chunk)
-                    if chunk.digest:
-                        if item.name in out:
-                            raise DataLossError(f"tensor {item.name!r} was sent twice")
-                        out[item.name] = item.finish(chunk.digest)
-                if response.HasField("done"):
-                    done = response.done
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        except WeightdError:
-            stream.cancel()
-            raise
-        if done is None:
-            raise DataLossError("the stream ended before the daemon marked it complete")
-        if done.num_tensors != len(out) or len(incoming) != len(out):
-            raise DataLossError(
-                f"the daemon announced {done.num_tensors} tensors; {len(out)} arrived complete"
-            )
-        return out
+        return receive_slices(self._stub.Fetch(request, timeout=self.timeout))
 
     def load_into(
         self,

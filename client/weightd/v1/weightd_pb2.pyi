@@ -11,6 +11,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -21,6 +22,159 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class FetchAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """the adapter's name"""
+    max_chunk_bytes: _builtins.int
+    """as in FetchRequest"""
+    @_builtins.property
+    def layout(self) -> Global___Layout:
+        """tensor parallelism only (pp/ep fields must be unset)"""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        layout: Global___Layout | None = ...,
+        max_chunk_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "max_chunk_bytes", b"max_chunk_bytes", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchAdapterRequest: _TypeAlias = FetchAdapterRequest  # noqa: Y015
+
+@_typing.final
+class AdapterInfo(_message.Message):
+    """Which adapter version a FetchAdapter stream carries; set on its first message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ScalingEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    BASE_MODEL_FIELD_NUMBER: _builtins.int
+    SCALING_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    version: _builtins.int
+    """unique and increasing across the daemon's life"""
+    digest: _builtins.str
+    """"sha256:<hex>": see adapters/load.py adapter_digest"""
+    base_model: _builtins.str
+    """the served model it applies to"""
+    @_builtins.property
+    def scaling(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """module -> lora_alpha / r (rsLoRA: / sqrt(r))"""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.int = ...,
+        digest: _builtins.str = ...,
+        base_model: _builtins.str = ...,
+        scaling: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "digest", b"digest", "name", b"name", "scaling", b"scaling", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
+
+@_typing.final
+class WatchAdaptersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchAdaptersRequest: _TypeAlias = WatchAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class AdapterEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[AdapterEvent._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: AdapterEvent._Kind.ValueType  # 0
+        LOAD: AdapterEvent._Kind.ValueType  # 1
+        REPLACE: AdapterEvent._Kind.ValueType  # 2
+        UNLOAD: AdapterEvent._Kind.ValueType  # 3
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_UNSPECIFIED: AdapterEvent.Kind.ValueType  # 0
+    LOAD: AdapterEvent.Kind.ValueType  # 1
+    REPLACE: AdapterEvent.Kind.ValueType  # 2
+    UNLOAD: AdapterEvent.Kind.ValueType  # 3
+
+    KIND_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    kind: Global___AdapterEvent.Kind.ValueType
+    name: _builtins.str
+    version: _builtins.int
+    digest: _builtins.str
+    reason: _builtins.str
+    """unload: "unloaded" or "evicted" """
+    def __init__(
+        self,
+        *,
+        kind: Global___AdapterEvent.Kind.ValueType = ...,
+        name: _builtins.str = ...,
+        version: _builtins.int = ...,
+        digest: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "kind", b"kind", "name", b"name", "reason", b"reason", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterEvent: _TypeAlias = AdapterEvent  # noqa: Y015
 
 @_typing.final
 class ListModelsRequest(_message.Message):
@@ -381,6 +535,7 @@ class FetchResponse(_message.Message):
 
     CHUNKS_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChunk]:
         """small tensors share a message"""
@@ -389,19 +544,150 @@ class FetchResponse(_message.Message):
     def done(self) -> Global___FetchDone:
         """set on the last message only"""
 
+    @_builtins.property
+    def adapter(self) -> Global___AdapterInfo:
+        """FetchAdapter: set on the first message only"""
+
     def __init__(
         self,
         *,
         chunks: _abc.Iterable[Global___TensorChunk] | None = ...,
         done: Global___FetchDone | None = ...,
+        adapter: Global___AdapterInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "done", b"done"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "done", b"done"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chunks", b"chunks", "done", b"done"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FetchResponse: _TypeAlias = FetchResponse  # noqa: Y015
+
+@_typing.final
+class LoadAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SOURCE_DIR_FIELD_NUMBER: _builtins.int
+    EXPECTED_DIGEST_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    source_dir: _builtins.str
+    """must resolve under an --adapter-root"""
+    expected_digest: _builtins.str
+    """optional "sha256:<hex>"; a mismatch is DATA_LOSS"""
+    model: _builtins.str
+    """the base model; empty: the daemon's only model"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        source_dir: _builtins.str = ...,
+        expected_digest: _builtins.str = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_digest", b"expected_digest", "model", b"model", "name", b"name", "source_dir", b"source_dir"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class AdapterNameRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterNameRequest: _TypeAlias = AdapterNameRequest  # noqa: Y015
+
+@_typing.final
+class AdapterStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    BASE_MODEL_FIELD_NUMBER: _builtins.int
+    NBYTES_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    SOURCE_DIR_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    version: _builtins.int
+    digest: _builtins.str
+    base_model: _builtins.str
+    nbytes: _builtins.int
+    pinned: _builtins.bool
+    leases: _builtins.int
+    source_dir: _builtins.str
+    """the real path it was read from"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.int = ...,
+        digest: _builtins.str = ...,
+        base_model: _builtins.str = ...,
+        nbytes: _builtins.int = ...,
+        pinned: _builtins.bool = ...,
+        leases: _builtins.int = ...,
+        source_dir: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "digest", b"digest", "leases", b"leases", "name", b"name", "nbytes", b"nbytes", "pinned", b"pinned", "source_dir", b"source_dir", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterStatus: _TypeAlias = AdapterStatus  # noqa: Y015
+
+@_typing.final
+class ListAdaptersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersRequest: _TypeAlias = ListAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class ListAdaptersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterStatus]: ...
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___AdapterStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersResponse: _TypeAlias = ListAdaptersResponse  # noqa: Y015
 
 @_typing.final
 class ReloadRequest(_message.Message):

@@ -52,6 +52,16 @@ class WeightsStub:
                 request_serializer=weightd_dot_v1_dot_weightd__pb2.FetchRequest.SerializeToString,
                 response_deserializer=weightd_dot_v1_dot_weightd__pb2.FetchResponse.FromString,
                 _registered_method=True)
+        self.FetchAdapter = channel.unary_stream(
+                '/weightd.v1.Weights/FetchAdapter',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.FetchAdapterRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.FetchResponse.FromString,
+                _registered_method=True)
+        self.WatchAdapters = channel.unary_stream(
+                '/weightd.v1.Weights/WatchAdapters',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.WatchAdaptersRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterEvent.FromString,
+                _registered_method=True)
 
 
 class WeightsServicer:
@@ -83,6 +93,23 @@ class WeightsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchAdapter(self, request, context):
+        """Streams one rank's slices of a LoRA adapter, in the same chunk format as Fetch.
+        The first message names the version served (FetchResponse.adapter); the stream
+        holds a lease on that version, so an unload or replace meanwhile never tears it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchAdapters(self, request, context):
+        """Adapter changes as they happen: first a load event for every adapter loaded now,
+        then load / replace / unload events in the order they were published.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +127,16 @@ def add_WeightsServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=weightd_dot_v1_dot_weightd__pb2.FetchRequest.FromString,
                     response_serializer=weightd_dot_v1_dot_weightd__pb2.FetchResponse.SerializeToString,
+            ),
+            'FetchAdapter': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchAdapter,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.FetchAdapterRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.FetchResponse.SerializeToString,
+            ),
+            'WatchAdapters': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchAdapters,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.WatchAdaptersRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -196,6 +233,60 @@ class Weights:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def FetchAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightd.v1.Weights/FetchAdapter',
+            weightd_dot_v1_dot_weightd__pb2.FetchAdapterRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightd.v1.Weights/WatchAdapters',
+            weightd_dot_v1_dot_weightd__pb2.WatchAdaptersRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.AdapterEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class AdminStub:
     """Operator operations. Served only on the admin listener (a Unix socket in the
@@ -214,6 +305,31 @@ class AdminStub:
                 request_serializer=weightd_dot_v1_dot_weightd__pb2.ReloadRequest.SerializeToString,
                 response_deserializer=weightd_dot_v1_dot_weightd__pb2.ReloadResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/weightd.v1.Admin/LoadAdapter',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/weightd.v1.Admin/UnloadAdapter',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/weightd.v1.Admin/ListAdapters',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.PinAdapter = channel.unary_unary(
+                '/weightd.v1.Admin/PinAdapter',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+                _registered_method=True)
+        self.UnpinAdapter = channel.unary_unary(
+                '/weightd.v1.Admin/UnpinAdapter',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -231,6 +347,40 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads (or replaces, atomically) a LoRA adapter from a directory under one of the
+        daemon's --adapter-root directories. Verified whole before it is published; on
+        failure the loaded adapters, including an older version of this one, are untouched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinAdapter(self, request, context):
+        """A pinned adapter is never evicted to make room under the adapter budget.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -238,6 +388,31 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Reload,
                     request_deserializer=weightd_dot_v1_dot_weightd__pb2.ReloadRequest.FromString,
                     response_serializer=weightd_dot_v1_dot_weightd__pb2.ReloadResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'PinAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinAdapter,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.SerializeToString,
+            ),
+            'UnpinAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinAdapter,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +445,141 @@ class Admin:
             '/weightd.v1.Admin/Reload',
             weightd_dot_v1_dot_weightd__pb2.ReloadRequest.SerializeToString,
             weightd_dot_v1_dot_weightd__pb2.ReloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightd.v1.Admin/LoadAdapter',
+            weightd_dot_v1_dot_weightd__pb2.LoadAdapterRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightd.v1.Admin/UnloadAdapter',
+            weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightd.v1.Admin/ListAdapters',
+            weightd_dot_v1_dot_weightd__pb2.ListAdaptersRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightd.v1.Admin/PinAdapter',
+            weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightd.v1.Admin/UnpinAdapter',
+            weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,15 @@ class WeightsStub:
     FetchRequest.max_chunk_bytes of tensor payload, capped by the daemon at 4 MiB),
     so no message comes near protobuf's 2 GiB limit whatever the model size.
     """
+    FetchAdapter: _grpc.UnaryStreamMultiCallable[_weightd_pb2.FetchAdapterRequest, _weightd_pb2.FetchResponse]
+    """Streams one rank's slices of a LoRA adapter, in the same chunk format as Fetch.
+    The first message names the version served (FetchResponse.adapter); the stream
+    holds a lease on that version, so an unload or replace meanwhile never tears it.
+    """
+    WatchAdapters: _grpc.UnaryStreamMultiCallable[_weightd_pb2.WatchAdaptersRequest, _weightd_pb2.AdapterEvent]
+    """Adapter changes as they happen: first a load event for every adapter loaded now,
+    then load / replace / unload events in the order they were published.
+    """
 
 @_typing.type_check_only
 class WeightsAsyncStub(WeightsStub):
@@ -66,6 +75,15 @@ class WeightsAsyncStub(WeightsStub):
     """Streams one rank's slices. Messages are bounded (each carries at most
     FetchRequest.max_chunk_bytes of tensor payload, capped by the daemon at 4 MiB),
     so no message comes near protobuf's 2 GiB limit whatever the model size.
+    """
+    FetchAdapter: _aio.UnaryStreamMultiCallable[_weightd_pb2.FetchAdapterRequest, _weightd_pb2.FetchResponse]  # type: ignore[assignment]
+    """Streams one rank's slices of a LoRA adapter, in the same chunk format as Fetch.
+    The first message names the version served (FetchResponse.adapter); the stream
+    holds a lease on that version, so an unload or replace meanwhile never tears it.
+    """
+    WatchAdapters: _aio.UnaryStreamMultiCallable[_weightd_pb2.WatchAdaptersRequest, _weightd_pb2.AdapterEvent]  # type: ignore[assignment]
+    """Adapter changes as they happen: first a load event for every adapter loaded now,
+    then load / replace / unload events in the order they were published.
     """
 
 class WeightsServicer(metaclass=_abc_1.ABCMeta):
@@ -101,6 +119,27 @@ class WeightsServicer(metaclass=_abc_1.ABCMeta):
         so no message comes near protobuf's 2 GiB limit whatever the model size.
         """
 
+    @_abc_1.abstractmethod
+    def FetchAdapter(
+        self,
+        request: _weightd_pb2.FetchAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_weightd_pb2.FetchResponse], _abc.AsyncIterator[_weightd_pb2.FetchResponse]]:
+        """Streams one rank's slices of a LoRA adapter, in the same chunk format as Fetch.
+        The first message names the version served (FetchResponse.adapter); the stream
+        holds a lease on that version, so an unload or replace meanwhile never tears it.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchAdapters(
+        self,
+        request: _weightd_pb2.WatchAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_weightd_pb2.AdapterEvent], _abc.AsyncIterator[_weightd_pb2.AdapterEvent]]:
+        """Adapter changes as they happen: first a load event for every adapter loaded now,
+        then load / replace / unload events in the order they were published.
+        """
+
 def add_WeightsServicer_to_server(servicer: WeightsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class AdminStub:
@@ -118,6 +157,16 @@ class AdminStub:
     loaded and verified aside and swapped in only when the whole of it passed; on
     failure the old version keeps serving and the call fails with the reason.
     """
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.LoadAdapterRequest, _weightd_pb2.AdapterStatus]
+    """Loads (or replaces, atomically) a LoRA adapter from a directory under one of the
+    daemon's --adapter-root directories. Verified whole before it is published; on
+    failure the loaded adapters, including an older version of this one, are untouched.
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.AdapterNameRequest, _weightd_pb2.AdapterStatus]
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.ListAdaptersRequest, _weightd_pb2.ListAdaptersResponse]
+    PinAdapter: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.AdapterNameRequest, _weightd_pb2.AdapterStatus]
+    """A pinned adapter is never evicted to make room under the adapter budget."""
+    UnpinAdapter: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.AdapterNameRequest, _weightd_pb2.AdapterStatus]
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -132,6 +181,16 @@ class AdminAsyncStub(AdminStub):
     loaded and verified aside and swapped in only when the whole of it passed; on
     failure the old version keeps serving and the call fails with the reason.
     """
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_weightd_pb2.LoadAdapterRequest, _weightd_pb2.AdapterStatus]  # type: ignore[assignment]
+    """Loads (or replaces, atomically) a LoRA adapter from a directory under one of the
+    daemon's --adapter-root directories. Verified whole before it is published; on
+    failure the loaded adapters, including an older version of this one, are untouched.
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_weightd_pb2.AdapterNameRequest, _weightd_pb2.AdapterStatus]  # type: ignore[assignment]
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_weightd_pb2.ListAdaptersRequest, _weightd_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    PinAdapter: _aio.UnaryUnaryMultiCallable[_weightd_pb2.AdapterNameRequest, _weightd_pb2.AdapterStatus]  # type: ignore[assignment]
+    """A pinned adapter is never evicted to make room under the adapter budget."""
+    UnpinAdapter: _aio.UnaryUnaryMultiCallable[_weightd_pb2.AdapterNameRequest, _weightd_pb2.AdapterStatus]  # type: ignore[assignment]
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     """Operator operations. Served only on the admin listener (a Unix socket in the
@@ -149,5 +208,45 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         loaded and verified aside and swapped in only when the whole of it passed; on
         failure the old version keeps serving and the call fails with the reason.
         """
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _weightd_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.AdapterStatus, _abc.Awaitable[_weightd_pb2.AdapterStatus]]:
+        """Loads (or replaces, atomically) a LoRA adapter from a directory under one of the
+        daemon's --adapter-root directories. Verified whole before it is published; on
+        failure the loaded adapters, including an older version of this one, are untouched.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _weightd_pb2.AdapterNameRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.AdapterStatus, _abc.Awaitable[_weightd_pb2.AdapterStatus]]: ...
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _weightd_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.ListAdaptersResponse, _abc.Awaitable[_weightd_pb2.ListAdaptersResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PinAdapter(
+        self,
+        request: _weightd_pb2.AdapterNameRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.AdapterStatus, _abc.Awaitable[_weightd_pb2.AdapterStatus]]:
+        """A pinned adapter is never evicted to make room under the adapter budget."""
+
+    @_abc_1.abstractmethod
+    def UnpinAdapter(
+        self,
+        request: _weightd_pb2.AdapterNameRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.AdapterStatus, _abc.Awaitable[_weightd_pb2.AdapterStatus]]: ...
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -16,7 +16,8 @@ import grpc
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from .errors import status_for
+from .adapters.rpc import Adapters
+from .errors import NoAdapters, status_for
 from .guards import AdminAuthorizer
 from .interceptors import RpcObserver
 from .loading import Reloader
@@ -24,9 +25,67 @@ from .loading import Reloader
 log = logging.getLogger("weightd.admin")
 
 
+def _admin(method: str, context: grpc.ServicerContext, error: BaseException) -> None:
+    code, detail = status_for(error)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=error)
+    context.abort(code, detail)
+
+
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, reloader: Reloader) -> None:
+    def __init__(self, reloader: Reloader, adapters: Adapters | None = None) -> None:
         self._reloader = reloader
+        self._adapters = adapters
+
+    def _a(self) -> Adapters:
+        if self._adapters is None:
+            raise NoAdapters("this daemon serves no adapters")
+        return self._adapters
+
+    def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.AdapterStatus:
+        try:
+            return self._a().load(request)
+        except Exception as exc:
+            _admin("LoadAdapter", context, exc)
+            raise
+
+    def UnloadAdapter(
+        self, request: pb.AdapterNameRequest, context: grpc.ServicerContext
+    ) -> pb.AdapterStatus:
+        try:
+            return self._a().unload(request)
+        except Exception as exc:
+            _admin("UnloadAdapter", context, exc)
+            raise
+
+    def ListAdapters(
+        self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext
+    ) -> pb.ListAdaptersResponse:
+        try:
+            return self._a().list()
+        except Exception as exc:
+            _admin("ListAdapters", context, exc)
+            raise
+
+    def PinAdapter(
+        self, request: pb.AdapterNameRequest, context: grpc.ServicerContext
+    ) -> pb.AdapterStatus:
+        try:
+            return self._a().pin(request, True)
+        except Exception as exc:
+            _admin("PinAdapter", context, exc)
+            raise
+
+    def UnpinAdapter(
+        self, request: pb.AdapterNameRequest, context: grpc.ServicerContext
+    ) -> pb.AdapterStatus:
+        try:
+            return self._a().pin(request, False)
+        except Exception as exc:
+            _admin("UnpinAdapter", context, exc)
+            raise
 
     def Reload(self, request: pb.ReloadRequest, context: grpc.ServicerContext) -> pb.ReloadResponse:
         try:
@@ -49,6 +108,7 @@ def create_admin_server(
     reloader: Reloader,
     observer: RpcObserver,
     allowed: frozenset[str] | None,
+    adapters: Adapters | None = None,
 ) -> grpc.Server:
     """A small gRPC server carrying only the Admin service (ports are added by the caller)."""
     server = grpc.server(
@@ -57,5 +117,5 @@ def create_admin_server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10)],
         maximum_concurrent_rpcs=4,
     )
-    pb_grpc.add_AdminServicer_to_server(AdminService(reloader), server)
+    pb_grpc.add_AdminServicer_to_server(AdminService(reloader, adapters), server)
     return server

@@ -54,6 +54,20 @@ def _parser() -> argparse.ArgumentParser:
         "in clear)",
     )
     s.add_argument("--chunk-bytes", type=int, default=1 << 20, help="tensor bytes per message")
+    s.add_argument(
+        "--adapter-root",
+        action="append",
+        default=[],
+        dest="adapter_roots",
+        metavar="DIR",
+        help="a directory LoRA adapters may be loaded from (repeatable); none: no loads",
+    )
+    s.add_argument(
+        "--adapter-budget-bytes",
+        type=int,
+        default=None,
+        help="bytes of adapters held at once; unleased, unpinned ones are evicted LRU",
+    )
     s.add_argument("--max-workers", type=int, default=16, help="RPC worker threads")
     s.add_argument(
         "--max-concurrent-rpcs", type=int, default=64, help="beyond this, RESOURCE_EXHAUSTED"
@@ -256,6 +270,8 @@ def _serve(args: argparse.Namespace) -> int:
         rules_files=args.rules,
         verify=verify,
         local=from_arguments(args),
+        adapter_roots=args.adapter_roots,
+        adapter_budget_bytes=args.adapter_budget_bytes,
     )
     return serve(config)
 

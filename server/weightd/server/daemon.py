@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from . import lifecycle, listeners, logs
+from .adapters.registry import AdapterRegistry
+from .adapters.rpc import Adapters
 from .collectors import (
     GpuMemoryCollector,
     ModelCollector,
@@ -90,6 +92,11 @@ class ServeConfig:
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     #: Same-host transports: shared-memory packs, pinned staging, CUDA IPC.
     local: LocalConfig = field(default_factory=LocalConfig)
+    #: Directories LoRA adapters may be loaded from (``--adapter-root``); none: every
+    #: LoadAdapter is refused (the other adapter RPCs still answer).
+    adapter_roots: list[str] = field(default_factory=list)
+    #: Bytes of adapters held at once; unleased, unpinned ones are evicted LRU to fit.
+    adapter_budget_bytes: int | None = None
 
 
 @dataclass
@@ -115,6 +122,9 @@ class Daemon:
     def grpc_servers(self) -> list[grpc.Server]:
         extra = [self.admin_server, self.health_server]
         return [self.server, *(s for s in extra if s is not None)]
+
+    #: LoRA adapters: registry, roots, and the RPCs' shared state.
+    adapters: Adapters | None = None
 
     #: The same-host side socket (shared-memory packs, CUDA IPC), on Unix listeners.
     local: LocalServer | None = None
@@ -142,12 +152,16 @@ class Daemon:
 
     def stop(self, grace: float | None) -> None:
         self.health.enter_graceful_shutdown()
+        if self.adapters is not None:
+            self.adapters.close()  # watch streams end now, not at the end of the grace
         for event in [s.stop(grace) for s in self.grpc_servers]:
             event.wait()
         self.close()
 
     def close(self) -> None:
         """Release everything but the (already stopped) gRPC servers."""
+        if self.adapters is not None:
+            self.adapters.close()
         if self.local is not None:
             self.local.close()
         if self.watchdog is not None:
@@ -225,7 +239,10 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             interceptors=[observer, AdminGate(), FetchGuard(watchdog)],
         )
-        service = WeightsService(registry, config.chunk_bytes)
+        adapters = Adapters(
+            registry, AdapterRegistry(config.adapter_budget_bytes), config.adapter_roots
+        )
+        service = WeightsService(registry, config.chunk_bytes, adapters)
         pb_grpc.add_WeightsServicer_to_server(service, server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -241,6 +258,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             metrics,
             watchdog=watchdog,
             locks=locks,
+            adapters=adapters,
         )
         daemon.reloader = Reloader(
             registry,
@@ -260,7 +278,9 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         if admin_address is not None:
             if admin_address.kind == "unix":
                 locks.append(prepare_unix_socket(admin_address.path))
-            daemon.admin_server = listeners.admin_server(daemon.reloader, observer, allowed)
+            daemon.admin_server = listeners.admin_server(
+                daemon.reloader, observer, allowed, adapters
+            )
             daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
         if config.health_listen is not None:
             daemon.health_server = listeners.health_server(health_servicer, observer)

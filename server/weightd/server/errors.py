@@ -239,6 +239,49 @@ class BlobLinkError(HFCacheError):
     """A file in the snapshot is not a link to a content-named blob of that repository."""
 
 
+# --- LoRA adapters ------------------------------------------------------------------
+
+
+class AdapterError(CheckpointError):
+    """A PEFT LoRA adapter directory is malformed, unsafe or does not fit the base model.
+
+    Raised while loading an adapter; it is never published, and the adapters already
+    loaded (including an older version under the same name) keep serving.
+    """
+
+
+class AdapterConfigError(AdapterError):
+    """``adapter_config.json`` is not strict JSON, or lacks a field, or has an impossible value."""
+
+
+class UnsupportedAdapterFeature(AdapterError):
+    """A PEFT feature weightd does not serve (DoRA, ``modules_to_save``, trained biases, ...)."""
+
+
+class AdapterFormatError(AdapterError):
+    """The adapter's weights are not ``adapter_model.safetensors`` (pickle is never opened)."""
+
+
+class AdapterTensorError(AdapterError):
+    """A tensor name that is not a LoRA A/B weight, or a module with only one of A and B."""
+
+
+class AdapterTargetError(AdapterError):
+    """A LoRA module that is not among ``target_modules`` or not a 2-D weight of the base."""
+
+
+class AdapterShapeError(AdapterError):
+    """A LoRA tensor whose shape disagrees with the base layer or with ``r``."""
+
+
+class AdapterDtypeError(AdapterError):
+    """A LoRA tensor of a dtype weightd does not serve for adapters."""
+
+
+class AdapterBaseMismatch(AdapterError):
+    """``base_model_name_or_path`` names another model than the one the adapter is loaded on."""
+
+
 # --- serving ----------------------------------------------------------------------
 
 
@@ -311,6 +354,23 @@ class DataIntegrityError(WeightdError):
 
 class ResourceLimitError(WeightdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class AdapterNotFound(WeightdError):
+    """No adapter of that name is loaded (never was, unloaded, or evicted)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class NoAdapters(WeightdError):
+    """The daemon was started without adapter serving."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AdapterBudgetExhausted(ResourceLimitError):
+    """An adapter does not fit the adapter budget even after evicting every adapter that
+    is neither leased nor pinned; nothing was evicted."""
 
 
 class RequestTooLarge(ResourceLimitError):

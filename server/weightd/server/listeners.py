@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from . import logs
+from .adapters.rpc import Adapters
 from .admin import create_admin_server
 from .errors import SecurityConfigError
 from .interceptors import RpcObserver
@@ -83,9 +84,12 @@ def bind(server: grpc.Server, address: Address, tls: TlsMaterial | None, what: s
 
 
 def admin_server(
-    reloader: Reloader, observer: RpcObserver, allowed: frozenset[str] | None
+    reloader: Reloader,
+    observer: RpcObserver,
+    allowed: frozenset[str] | None,
+    adapters: Adapters | None = None,
 ) -> grpc.Server:
-    return create_admin_server(reloader, observer, allowed)
+    return create_admin_server(reloader, observer, allowed, adapters)
 
 
 def health_server(servicer: health.HealthServicer, observer: RpcObserver) -> grpc.Server:

@@ -14,7 +14,8 @@ from weightd.common.digests import slice_digest
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from .errors import DataIntegrityError, WeightdError, status_for
+from .adapters.rpc import Adapters
+from .errors import DataIntegrityError, NoAdapters, WeightdError, status_for
 from .layout import Layout
 from .models import LoadedModel, ModelRegistry
 from .runs import RunPattern
@@ -65,9 +66,40 @@ def layout_of(msg: pb.Layout) -> Layout:
 
 
 class WeightsService(pb_grpc.WeightsServicer):
-    def __init__(self, registry: ModelRegistry, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        adapters: Adapters | None = None,
+    ) -> None:
         self.registry = registry
         self.chunk_bytes = chunk_bytes
+        self.adapters = adapters
+
+    def _adapters(self) -> Adapters:
+        if self.adapters is None:
+            raise NoAdapters("this daemon serves no adapters")
+        return self.adapters
+
+    def FetchAdapter(
+        self, request: pb.FetchAdapterRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.FetchResponse]:
+        try:
+            adapters = self._adapters()
+        except Exception as exc:
+            _abort(context, exc, "FetchAdapter")
+            return
+        yield from adapters.fetch(request, context)
+
+    def WatchAdapters(
+        self, request: pb.WatchAdaptersRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.AdapterEvent]:
+        try:
+            adapters = self._adapters()
+        except Exception as exc:
+            _abort(context, exc, "WatchAdapters")
+            return
+        yield from adapters.watch(context)
 
     @unary
     def ListModels(

@@ -1,0 +1,298 @@
+"""The adapter registry: immutable versions, atomic replace, leases, LRU budget, events.
+
+Engines keep adapters inside themselves, and that is where their races live (an
+adapter unloaded while a request still uses it, a replace seen half-way). Here:
+
+* a **version** never changes once published; load and replace publish a new one by
+  swapping one reference under a lock, so a reader sees the old or the new, whole;
+* a **lease** pins the version a fetch started on: unload or replace retire the
+  version, but its bytes stay until the last lease is released;
+* a **budget** bounds the bytes held; to fit a new adapter, unleased and unpinned
+  adapters are evicted least recently used first, and if that is not enough the load
+  fails and nothing is evicted;
+* concurrent loads of the same name and source **coalesce** into one read;
+* every change is an **event** (load, replace, unload) with the version, delivered in
+  order to every watcher, which first receives the current adapters as loads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Final
+
+from ..errors import AdapterBudgetExhausted, AdapterNotFound
+from .load import LoadedAdapter
+
+#: Events a slow watcher may fall behind by before it is cut off (it must re-watch).
+MAX_PENDING_EVENTS: Final = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterVersion:
+    name: str
+    version: int
+    adapter: LoadedAdapter
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterEvent:
+    kind: str  # "load" | "replace" | "unload"
+    name: str
+    version: int
+    digest: str
+    reason: str = ""  # for unload: "unloaded" or "evicted"
+
+
+@dataclass
+class _Entry:
+    current: AdapterVersion
+    pinned: bool = False
+    last_used: int = 0
+
+
+@dataclass
+class _Held:
+    version: AdapterVersion
+    leases: int = 0
+    retired: bool = False
+
+
+class Lease:
+    """A version held for one fetch; release exactly once (also via ``with``)."""
+
+    def __init__(self, registry: AdapterRegistry, version: AdapterVersion) -> None:
+        self._registry = registry
+        self.version = version
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._registry._release(self.version)
+
+    def __enter__(self) -> AdapterVersion:
+        return self.version
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Watch:
+    """An ordered stream of events for one watcher; ``close`` ends it."""
+
+    def __init__(self, registry: AdapterRegistry) -> None:
+        self._registry = registry
+        self._queue: queue.Queue[AdapterEvent | None] = queue.Queue(MAX_PENDING_EVENTS)
+        self.overflowed = False
+
+    def _put(self, event: AdapterEvent | None) -> None:
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.overflowed = True
+            self._registry._unwatch(self)
+
+    def next(self, timeout: float | None = None) -> AdapterEvent | None:
+        """The next event, or None when closed (or on timeout)."""
+        if self.overflowed and self._queue.empty():
+            return None
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def __iter__(self) -> Iterator[AdapterEvent]:
+        while (event := self.next()) is not None:
+            yield event
+
+    def close(self) -> None:
+        with self._registry._lock:
+            self._registry._unwatch(self)
+        self._queue.put(None)
+
+
+@dataclass
+class AdapterRegistry:
+    budget_bytes: int | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _entries: dict[str, _Entry] = field(default_factory=dict)
+    _held: dict[tuple[str, int], _Held] = field(default_factory=dict)
+    _loading: dict[tuple[str, str, str | None], Future[AdapterVersion]] = field(
+        default_factory=dict
+    )
+    _watches: list[Watch] = field(default_factory=list)
+    _versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    _clock: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    # --- loading ------------------------------------------------------------------
+
+    def load(
+        self,
+        name: str,
+        source: str,
+        expected_digest: str | None,
+        read: Callable[[], LoadedAdapter],
+    ) -> AdapterVersion:
+        """Read (via ``read``) and publish ``name``; concurrent identical loads share one read.
+
+        A failed read publishes nothing and leaves the current version serving.
+        """
+        key = (name, source, expected_digest)
+        with self._lock:
+            pending = self._loading.get(key)
+            owner = pending is None
+            if pending is None:
+                pending = Future()
+                self._loading[key] = pending
+        if not owner:
+            return pending.result()
+        try:
+            version = self._publish(name, read())
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        else:
+            pending.set_result(version)
+            return version
+        finally:
+            with self._lock:
+                del self._loading[key]
+
+    def _publish(self, name: str, adapter: LoadedAdapter) -> AdapterVersion:
+        with self._lock:
+            old = self._entries.get(name)
+            self._make_room(adapter.nbytes, name)
+            version = AdapterVersion(name, next(self._versions), adapter)
+            self._held[(name, version.version)] = _Held(version)
+            if old is None:
+                self._entries[name] = _Entry(version, last_used=next(self._clock))
+                kind = "load"
+            else:
+                self._retire(old.current)
+                old.current = version
+                old.last_used = next(self._clock)
+                kind = "replace"
+            self._emit(AdapterEvent(kind, name, version.version, adapter.digest))
+            return version
+
+    def _make_room(self, need: int, replacing: str) -> None:
+        if self.budget_bytes is None:
+            return
+        held = sum(h.version.adapter.nbytes for h in self._held.values())
+        victims = sorted(
+            (
+                e
+                for n, e in self._entries.items()
+                if n != replacing
+                and not e.pinned
+                and self._held[(n, e.current.version)].leases == 0
+            ),
+            key=lambda e: e.last_used,
+        )
+        free = self.budget_bytes - held
+        chosen = []
+        for e in victims:
+            if free >= need:
+                break
+            chosen.append(e)
+            free += e.current.adapter.nbytes
+        if free < need:
+            raise AdapterBudgetExhausted(
+                f"adapter {replacing!r} needs {need} bytes; the adapter budget of "
+                f"{self.budget_bytes} bytes holds {held}, and leased or pinned adapters "
+                "cannot be evicted"
+            )
+        for e in chosen:
+            self._drop(e.current.name, "evicted")
+
+    # --- unloading, pinning ---------------------------------------------------------
+
+    def unload(self, name: str) -> AdapterVersion:
+        with self._lock:
+            return self._drop(name, "unloaded")
+
+    def _drop(self, name: str, reason: str) -> AdapterVersion:
+        entry = self._entries.pop(name, None)
+        if entry is None:
+            raise AdapterNotFound(f"no adapter named {name!r} is loaded")
+        self._retire(entry.current)
+        v = entry.current
+        self._emit(AdapterEvent("unload", name, v.version, v.adapter.digest, reason))
+        return v
+
+    def _retire(self, version: AdapterVersion) -> None:
+        key = (version.name, version.version)
+        held = self._held[key]
+        held.retired = True
+        if held.leases == 0:
+            del self._held[key]
+
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        with self._lock:
+            self._entry(name).pinned = pinned
+
+    def _entry(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise AdapterNotFound(f"no adapter named {name!r} is loaded")
+        return entry
+
+    # --- leases ----------------------------------------------------------------------
+
+    def lease(self, name: str) -> Lease:
+        """Hold the current version of ``name`` until the lease is released."""
+        with self._lock:
+            entry = self._entry(name)
+            entry.last_used = next(self._clock)
+            self._held[(name, entry.current.version)].leases += 1
+            return Lease(self, entry.current)
+
+    def _release(self, version: AdapterVersion) -> None:
+        with self._lock:
+            key = (version.name, version.version)
+            held = self._held[key]
+            held.leases -= 1
+            if held.leases == 0 and held.retired:
+                del self._held[key]
+
+    # --- watching and reading --------------------------------------------------------
+
+    def watch(self) -> Watch:
+        """A watcher, first told of every current adapter as a load, then of each change."""
+        w = Watch(self)
+        with self._lock:
+            for entry in self._entries.values():
+                v = entry.current
+                w._put(AdapterEvent("load", v.name, v.version, v.adapter.digest))
+            self._watches.append(w)
+        return w
+
+    def _unwatch(self, w: Watch) -> None:
+        if w in self._watches:
+            self._watches.remove(w)
+
+    def _emit(self, event: AdapterEvent) -> None:
+        for w in list(self._watches):
+            w._put(event)
+
+    def current(self) -> list[tuple[AdapterVersion, bool, int]]:
+        """(version, pinned, leases) of each loaded adapter, by name."""
+        with self._lock:
+            return [
+                (e.current, e.pinned, self._held[(n, e.current.version)].leases)
+                for n, e in sorted(self._entries.items())
+            ]
+
+    def stats(self) -> tuple[int, int, int]:
+        """(versions held, leases outstanding, bytes held), retired versions included."""
+        with self._lock:
+            return (
+                len(self._held),
+                sum(h.leases for h in self._held.values()),
+                sum(h.version.adapter.nbytes for h in self._held.values()),
+            )
