@@ -18,21 +18,5 @@ def format_digest(algorithm: str, hexdigest: str) -> str:
     return f"{algorithm}:{hexdigest}"
 
 
-def parse_digest(text: str) -> tuple[str, str]:
-    """Split ``"alg:hex"``; ValueError when the text is not of that form."""
-    algorithm, sep, hexpart = text.partition(":")
-    if not sep or not algorithm or not hexpart:
-        raise ValueError(f"digest {text!r} is not of the form '<algorithm>:<hex>'")
-    try:
-        bytes.fromhex(hexpart)
-    except ValueError:
-        raise ValueError(f"digest {text!r} has a non-hexadecimal value") from None
-    return algorithm, hexpart.lower()
-
-
-def new_slice_hasher() -> hashlib._Hash:
-    return hashlib.sha256()
-
-
 def slice_digest(hasher: hashlib._Hash) -> str:
     return format_digest(SLICE_DIGEST_ALGORITHM, hasher.hexdigest())

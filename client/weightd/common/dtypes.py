@@ -34,11 +34,6 @@ DTYPE_BITS: Final[dict[str, int]] = {
 }
 
 
-def dtype_bits(name: str) -> int:
-    """Width of one element in bits; KeyError for a name safetensors does not define."""
-    return DTYPE_BITS[name]
-
-
 def nbytes_for(dtype: str, shape: tuple[int, ...] | list[int]) -> int | None:
     """Payload size of a tensor, or None when the elements do not fill whole bytes."""
     count = 1
