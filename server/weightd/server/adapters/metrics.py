@@ -118,6 +118,7 @@ class AdapterMetrics:
         metrics = cls(prom)
         adapters.on_event(metrics.event)
         prom.register(AdapterCollector(adapters, packs))
+        prom.register(AdapterBudgetCollector(lambda: adapters.budget_bytes))
         return metrics
 
     def event(self, e: AdapterEvent) -> None:
@@ -135,6 +136,29 @@ class AdapterMetrics:
 
     def published(self, seconds: float) -> None:
         self.load_seconds.observe(seconds)
+
+
+class AdapterBudgetCollector:
+    """``weightd_adapter_budget_bytes``, only for a daemon started with an adapter budget."""
+
+    def __init__(self, source: Callable[[], int | None]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "weightd_adapter_budget_bytes", "Bytes of adapters the daemon may hold at once."
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        budget = self._source()
+        if budget is not None:
+            g = self._family()
+            g.add_metric([], float(budget))
+            yield g
 
 
 class AdapterCollector:
@@ -193,13 +217,6 @@ class AdapterCollector:
         for family, value in zip(families, values, strict=True):
             family.add_metric([], float(value))
             yield family
-        budget = self._registry.budget_bytes
-        if budget is not None:
-            g = GaugeMetricFamily(
-                "weightd_adapter_budget_bytes", "Bytes of adapters the daemon may hold at once."
-            )
-            g.add_metric([], float(budget))
-            yield g
 
 
 def adapter_metrics(
