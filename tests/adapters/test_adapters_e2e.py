@@ -108,10 +108,16 @@ def test_tp2_gloo_forward_matches_peft(lora: Fixture, tmp_path: Path) -> None:
     ids = [3, 17, 64, 5, 99, 127, 0, 42]
     with torch.no_grad():
         want = lora.peft_model(torch.tensor([ids])).logits
-    extra = ["--adapter-root", str(lora.root)]
+    # A shared-memory budget too small for any pack: "auto" must fall back to gRPC.
+    extra = ["--adapter-root", str(lora.root), "--shm-budget-bytes", "4096"]
     with run_daemon(tmp_path, [("tiny-llama", lora.base_dir)], extra) as d:
         with AdminClient(f"unix://{tmp_path / 'run' / 'admin.sock'}", timeout=60) as admin:
             admin.load_adapter("a", str(lora.adapter_dir))
+        with WeightClient(d.target, timeout=60) as client:
+            got = client.fetch_adapter("a", 0, 2)
+            assert got.transport == "grpc" and got.info is not None
+            [failure] = got.info.fallbacks
+            assert failure.transport == "shm" and "budget exhausted" in str(failure.error)
         out = tmp_path / "logits.safetensors"
         args = (2, d.target, str(lora.base_dir), "a", ids, str(tmp_path / "init"), str(out))
         mp.start_processes(rank_main, args=args, nprocs=2, join=True, start_method="spawn")
