@@ -117,7 +117,8 @@ def race(
     """Four threads fetch rank 1 of 2 of ``name`` over ``transport`` while this thread
     replaces it (alternating ``want``'s sources) and every third round unloads and
     reloads it, until >= 120 fetches of >= 5 versions completed. Each fetch must come
-    over ``transport`` and equal, bit for bit, the source its digest names."""
+    over ``transport``, pass the client's digest checks, and equal, bit for bit, the
+    source its adapter digest names."""
     digests = {admin.load_adapter(name, str(s)).digest: s for s in reversed(list(want))}
     sources = list(want)
     done = threading.Event()
@@ -129,7 +130,8 @@ def race(
         with WeightClient(target, timeout=60) as client:
             while not done.is_set():
                 try:
-                    got = client.fetch_adapter(name, 1, 2, transport=transport)
+                    # verify: shared packs are re-hashed against their slice digests too
+                    got = client.fetch_adapter(name, 1, 2, transport=transport, verify=True)
                 except NotFoundError:
                     misses[0] += 1
                     continue

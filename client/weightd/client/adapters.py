@@ -102,6 +102,7 @@ def fetch_adapter_via(
     transport: Transport,
     device: str | torch.device | None,
     copy: bool,
+    verify: bool,
     timeout: float | None,
     chunk_bytes: int,
 ) -> AdapterWeights:
@@ -135,7 +136,7 @@ def fetch_adapter_via(
         names=(),
         device=torch.device(device),
         copy=copy,
-        verify=False,
+        verify=verify,
         timeout=timeout,
         adapter=name,
     )

@@ -217,11 +217,13 @@ class WeightClient:
         transport: Transport = "auto",
         device: str | torch.device | None = None,
         copy: bool = False,
+        verify: bool = False,
     ) -> AdapterWeights:
         """Rank ``rank``'s slices of the current version of adapter ``name``.
 
-        Transports as for :meth:`fetch` (``device=None``: the CPU, or the current GPU
-        for ``"cuda_ipc"``); the result names the version and ``.transport``.
+        Transports, ``copy`` and ``verify`` as for :meth:`fetch` (``device=None``: the
+        CPU, or the current GPU for ``"cuda_ipc"``); the result names the version and
+        ``.transport``.
         """
         return fetch_adapter_via(
             self.target,
@@ -232,6 +234,7 @@ class WeightClient:
             transport=transport,
             device=device,
             copy=copy,
+            verify=verify,
             timeout=self.timeout,
             chunk_bytes=self.chunk_bytes,
         )
