@@ -25,7 +25,7 @@ from tests.ops.conftest import scrape
 from tests.ops.test_ops_e2e import _tool
 from weightd.client import WeightClient
 from weightd.client.admin import AdminClient
-from weightd.client.errors import NotFoundError, ResourceExhaustedError
+from weightd.client.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from weightd.client.local import local_stats
 from weightd.client.transports import side_socket_path
 
@@ -177,7 +177,7 @@ def test_replace_while_a_worker_maps_the_pack(
             lambda: adapter_packs(daemon) == {("hot", v2.version, 0): 1, ("hot", v2.version, 1): 0},
             "only the worker process's lease to remain",
         )
-        assert metrics(daemon)["weightd_adapter_leases"] == 1
+        wait_until(lambda: metrics(daemon)["weightd_adapter_leases"] == 1, "one lease left")
     finally:
         proc.kill()
         proc.wait(30)
@@ -297,3 +297,31 @@ def test_shm_fetches_race_replace_and_unload(
     print(
         f"daemon RSS {rss0} -> {rss} kB, fds {fds0} -> {fds}"
     )  # kB; each version is ~100 kB, x >= 5
+
+
+def test_attach_to_an_adapter_pack_holds_its_version(
+    lora: Fixture, daemon: RunningDaemon, admin: AdminClient, client: WeightClient
+) -> None:
+    """A second process's attach (by PackRef) leases the pack *and* its version, which
+    may no longer be current; once both holders let go, neither can be attached again."""
+    v1 = admin.load_adapter("att", str(lora.adapter_dir))
+    first = client.fetch_adapter("att", 0, 2, transport="shm")
+    assert first.info is not None and first.info.pack is not None
+    ref = first.info.pack
+    admin.load_adapter("att", str(lora.second_dir))  # v1 is retired, leased by `first`
+    state, info = client.attach(ref)
+    assert info.pack is not None and info.pack.adapter is not None
+    assert info.pack.adapter.version == v1.version
+    assert same_bytes(state, first.tensors)
+    del first
+    gc.collect()
+    wait_until(  # the first lease ends; the attach still holds the pack and v1
+        lambda: adapter_packs(daemon).get(("att", v1.version, 0)) == 1, "one lease on v1's pack"
+    )
+    assert metrics(daemon)["weightd_adapter_versions"] == 2
+    del state
+    wait_until(lambda: ("att", v1.version, 0) not in adapter_packs(daemon), "v1's pack freed")
+    with pytest.raises(FailedPreconditionError, match="does not exist"):
+        client.attach(ref)
+    admin.unload_adapter("att")
+    wait_until(lambda: not adapter_packs(daemon), "adapter packs to be freed")
