@@ -8,7 +8,9 @@ gRPC instead of giving up.
 One host pack per (model content, world size, rank): the key is a fingerprint of the
 model's config and verified tensor digests, so a reload with identical bytes keeps
 its packs and a changed model never reuses a stale one. A GPU pack is built from the
-host pack (which must therefore fit the shared-memory budget too).
+host pack (which must therefore fit the shared-memory budget too). LoRA adapter packs
+(``AcquirePack.adapter``) live in the same caches and budgets, keyed by adapter version
+instead; their rules are in :mod:`weightd.server.adapters.packs`.
 """
 
 from __future__ import annotations
