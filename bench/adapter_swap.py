@@ -5,7 +5,8 @@ Unix socket with a generated tiny Llama base and two generated PEFT-format adapt
 (random fp32 A/B, ~20 MB each), then replaces the adapter ``--swaps`` times,
 alternating the two. Per swap it reports: the LoadAdapter call (read, verify, hash,
 publish) and the time from the call's start until a worker's WatchAdapters stream
-delivered the replace event; then a worker's FetchAdapter of its TP=2 slice.
+delivered the replace event; then a worker's FetchAdapter of its TP=2 slice over gRPC,
+and the same over shared memory (the first fetch of a version builds its pack).
 
     .venv/bin/python bench/adapter_swap.py [--swaps 20]
 """
@@ -115,7 +116,7 @@ def main() -> None:
 
             threading.Thread(target=follow, daemon=True).start()
             admin.load_adapter("hot", str(tmp / "adapters" / "one"))
-            loads, events, fetches = [], [], []
+            loads, events, fetches, shm_fetches = [], [], [], []
             for i in range(args.swaps):
                 source = tmp / "adapters" / ("two", "one")[i % 2]
                 t0 = time.perf_counter()
@@ -126,8 +127,12 @@ def main() -> None:
                 loads.append(t1 - t0)
                 events.append(seen[status.version] - t0)
                 t2 = time.perf_counter()
-                client.fetch_adapter("hot", 0, 2)
+                client.fetch_adapter("hot", 0, 2, transport="grpc")
                 fetches.append(time.perf_counter() - t2)
+                t3 = time.perf_counter()  # first shm fetch of the version: builds its pack
+                held = client.fetch_adapter("hot", 0, 2, transport="shm")
+                shm_fetches.append(time.perf_counter() - t3)
+                del held
             watch.close()
             admin.close()
             client.close()
@@ -144,7 +149,8 @@ def main() -> None:
     for label, xs in (
         ("LoadAdapter call (replace)", loads),
         ("load start -> watch event", events),
-        ("FetchAdapter rank 0 of TP=2", fetches),
+        ("FetchAdapter rank 0 of TP=2 (gRPC)", fetches),
+        ("same over shm (new version's pack)", shm_fetches),
     ):
         q = sorted(xs)
         p90 = q[min(len(q) - 1, int(0.9 * len(q)))]

@@ -11,9 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.adapters.conftest import Fixture
+from tests.adapters.conftest import Fixture, expected, race
 from tests.conftest import run_daemon
-from tests.models import expected_slice
 from weightd.client import WeightClient
 from weightd.client.adapters import AdapterEvent
 from weightd.client.admin import AdminClient
@@ -23,22 +22,6 @@ from weightd.client.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-
-PREFIX = "base_model.model."
-
-
-def expected(
-    adapter_dir: Path, ws: int, rank: int, config: dict[str, object]
-) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
-        served = name.removeprefix(PREFIX)
-        module = served.rsplit(".", 2)[0]
-        base = f"{module}.weight"
-        row = module.endswith(("o_proj", "down_proj"))
-        cut = (row and ".lora_A." in served) or (not row and ".lora_B." in served)
-        out[served] = expected_slice(base, t, config, ws, rank) if cut else t
-    return out
 
 
 def test_load_watch_fetch_replace_unload(lora: Fixture, tmp_path: Path) -> None:
@@ -125,10 +108,16 @@ def test_tp2_gloo_forward_matches_peft(lora: Fixture, tmp_path: Path) -> None:
     ids = [3, 17, 64, 5, 99, 127, 0, 42]
     with torch.no_grad():
         want = lora.peft_model(torch.tensor([ids])).logits
-    extra = ["--adapter-root", str(lora.root)]
+    # A shared-memory budget too small for any pack: "auto" must fall back to gRPC.
+    extra = ["--adapter-root", str(lora.root), "--shm-budget-bytes", "4096"]
     with run_daemon(tmp_path, [("tiny-llama", lora.base_dir)], extra) as d:
         with AdminClient(f"unix://{tmp_path / 'run' / 'admin.sock'}", timeout=60) as admin:
             admin.load_adapter("a", str(lora.adapter_dir))
+        with WeightClient(d.target, timeout=60) as client:
+            got = client.fetch_adapter("a", 0, 2)
+            assert got.transport == "grpc" and got.info is not None
+            [failure] = got.info.fallbacks
+            assert failure.transport == "shm" and "budget exhausted" in str(failure.error)
         out = tmp_path / "logits.safetensors"
         args = (2, d.target, str(lora.base_dir), "a", ids, str(tmp_path / "init"), str(out))
         mp.start_processes(rank_main, args=args, nprocs=2, join=True, start_method="spawn")
@@ -149,47 +138,7 @@ def test_fetches_race_replace_and_unload_over_grpc(lora: Fixture, tmp_path: Path
     extra = ["--adapter-root", str(lora.root)]
     with run_daemon(tmp_path, [("tiny-llama", lora.base_dir)], extra) as d:
         admin = AdminClient(f"unix://{tmp_path / 'run' / 'admin.sock'}", timeout=60)
-        digests = {admin.load_adapter("hot", str(s)).digest: s for s in reversed(list(want))}
-        done = threading.Event()
-        ok: list[int] = []
-        misses = [0]
-        failures: list[BaseException] = []
-
-        def worker() -> None:
-            with WeightClient(d.target, timeout=60) as client:
-                while not done.is_set():
-                    try:
-                        got = client.fetch_adapter("hot", 1, 2)
-                    except NotFoundError:
-                        misses[0] += 1
-                        continue
-                    except BaseException as exc:
-                        failures.append(exc)
-                        return
-                    expect = want[digests[got.digest]]
-                    if got.tensors.keys() != expect.keys() or not all(
-                        torch.equal(got.tensors[k], expect[k]) for k in expect
-                    ):
-                        failures.append(AssertionError(f"version {got.version} differs"))
-                        return
-                    ok.append(got.version)
-
-        threads = [threading.Thread(target=worker) for _ in range(4)]
-        for t in threads:
-            t.start()
-        i = 0
-        sources = list(want)
-        while (len(ok) < 120 or len(set(ok)) < 5) and not failures and i < 5000:
-            i += 1
-            admin.load_adapter("hot", str(sources[i % 2]))
-            if i % 3 == 0:
-                admin.unload_adapter("hot")
-                admin.load_adapter("hot", str(sources[i % 2]))
-        done.set()
-        for t in threads:
-            t.join(60)
-        assert not failures, failures[0]
-        assert len(ok) >= 120 and len(set(ok)) >= 5
+        race(d.target, admin, "hot", want, "grpc")
         # Every fetch releases its lease when the daemon's stream handler finishes, which
         # may be just after the client read the last message: wait for it, boundedly.
         deadline = time.monotonic() + 30

@@ -201,3 +201,46 @@ def test_failed_load_is_shared_and_publishes_nothing() -> None:
     with pytest.raises(AdapterNotFound):
         reg.load("a", "s", None, boom)
     assert reg.current() == [] and reg.stats() == (0, 0, 0) and not reg._loading
+
+
+def test_versions_are_let_go_once_retired_and_unleased() -> None:
+    """The drop callback (adapter packs are freed on it) fires exactly when a version's
+    bytes go: at once for an unleased replace/unload, at the last release otherwise."""
+    reg = AdapterRegistry()
+    dropped: list[tuple[str, int]] = []
+    reg.on_drop(lambda name, version: dropped.append((name, version)))
+    v1 = reg.load("x", "1", None, lambda: fake(10, "1"))
+    v2 = reg.load("x", "2", None, lambda: fake(10, "2"))
+    assert dropped == [("x", v1.version)]  # replaced, never leased
+    lease = reg.lease("x")
+    again = reg.lease_version("x", v2.version)  # an attach to v2's pack
+    v3 = reg.load("x", "3", None, lambda: fake(10, "3"))
+    assert dropped == [("x", v1.version)]  # v2 retired but leased twice
+    lease.release()
+    assert dropped == [("x", v1.version)]
+    again.release()
+    assert dropped == [("x", v1.version), ("x", v2.version)]
+    with pytest.raises(AdapterNotFound, match=f"version {v2.version} of adapter 'x'"):
+        reg.lease_version("x", v2.version)
+    reg.unload("x")
+    assert dropped[-1] == ("x", v3.version) and reg.stats() == (0, 0, 0)
+
+
+def test_rejection_reasons_are_a_fixed_table() -> None:
+    from weightd.server import errors
+    from weightd.server.adapters.metrics import REJECTION_REASONS, rejection_reason
+
+    cases = {
+        errors.UnsupportedAdapterFeature("d", "DoRA"): "unsupported_feature",
+        errors.AdapterShapeError("f", "shape"): "shape",
+        errors.PathEscapeError("d", "outside"): "unsafe_path",
+        errors.DigestMismatchError("d", "digest"): "digest_mismatch",
+        errors.AdapterBudgetExhausted("full"): "budget",
+        errors.InvalidRequest("empty name"): "invalid_request",
+        OSError("disk"): "io",
+        RuntimeError("bug"): "internal",
+    }
+    for error, reason in cases.items():
+        assert rejection_reason(error) == reason, error
+        assert reason in REJECTION_REASONS
+    assert len(set(REJECTION_REASONS)) == len(REJECTION_REASONS)

@@ -1,5 +1,7 @@
 """A TP=2 Llama forward over torch.distributed (gloo), from slices fetched from weightd.
 
+Used once (the PeftModel acceptance) or on every adapter event (the hot-swap test).
+
 Each rank fetches its base slices and its LoRA slices from the daemon and runs
 Megatron-style tensor parallelism by hand: vocab-parallel embedding and head,
 column-parallel q/k/v/gate/up (with lora_B cut the same way), row-parallel o/down
@@ -9,6 +11,9 @@ column-parallel q/k/v/gate/up (with lora_B cut the same way), row-parallel o/dow
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,25 +32,96 @@ def rank_main(
     ids: list[int],
     init: str,
     out: str,
+    events: int = 0,
 ) -> None:
+    """One forward with the adapter, its logits to ``out``; with ``events``, follow that
+    many adapter events instead (:func:`follow`), writing into the folder ``out``."""
     import transformers
     from safetensors.torch import save_file
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     from weightd.client import WeightClient
 
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=ws)
     config = transformers.LlamaConfig.from_pretrained(base_dir)
     with WeightClient(target, timeout=120) as client:
-        w = client.fetch(rank, ws, transport="grpc")
-        lora = client.fetch_adapter(adapter, rank, ws)
+        if events:
+            follow(client, config, rank, ws, adapter, ids, Path(out), events)
+        else:
+            w = client.fetch(rank, ws, transport="grpc")
+            lora = client.fetch_adapter(adapter, rank, ws, transport="grpc")
+            logits = forward(w, lora.tensors, lora.scaling, config, ids, rank, ws)
+            if rank == 0:
+                save_file({"logits": logits.contiguous()}, out)
+    dist.destroy_process_group()
+
+
+def follow(
+    client: Any,
+    config: Any,
+    rank: int,
+    ws: int,
+    adapter: str,
+    ids: list[int],
+    folder: Path,
+    events: int,
+) -> None:
+    """Watch adapters; on each of ``events`` events about ``adapter``, run the whole model.
+
+    The base comes once from a shared-memory pack; on a load or replace the rank fetches
+    its slice of the adapter's current version (shared memory again), on an unload it
+    runs the base alone. Each forward's logits go to ``<folder>/<n>-r<rank>.safetensors``
+    with the event and the version actually fetched as metadata, written atomically so
+    the test never reads half a file.
+    """
+    from safetensors.torch import save_file
+
+    w = client.fetch(rank, ws)
+    watch = client.watch_adapters()
+    (folder / f"watching-{rank}").touch()
+    seen = 0
+    for e in watch:
+        if e.name != adapter:
+            continue
+        meta = {"kind": e.kind, "event_version": str(e.version)}
+        if e.kind == "unload":
+            logits = forward(w, {}, {}, config, ids, rank, ws)
+            meta.update(fetched_version="", transport="")
+        else:
+            got = client.fetch_adapter(adapter, rank, ws)
+            logits = forward(w, got.tensors, got.scaling, config, ids, rank, ws)
+            meta.update(fetched_version=str(got.version), transport=got.transport)
+            del got  # ends this version's lease: the worker has applied it
+        path = folder / f"{seen}-r{rank}.safetensors"
+        save_file({"logits": logits.contiguous()}, f"{path}.tmp", metadata=meta)
+        os.replace(f"{path}.tmp", path)
+        seen += 1
+        if seen == events:
+            break
+    watch.close()
+
+
+def forward(
+    w: dict[str, torch.Tensor],
+    lora: dict[str, torch.Tensor],
+    scaling: dict[str, float],
+    config: Any,
+    ids: list[int],
+    rank: int,
+    ws: int,
+) -> torch.Tensor:
+    """The whole model's logits (on every rank) from this rank's base and LoRA slices.
+
+    ``scaling`` names the modules the adapter modifies (empty: the base model alone).
+    """
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     def lin(x: torch.Tensor, module: str) -> torch.Tensor:
         y = x @ w[f"{module}.weight"].T
-        if module in lora.scaling:
-            a = lora.tensors[f"{module}.lora_A.weight"]
-            b = lora.tensors[f"{module}.lora_B.weight"]
-            y = y + lora.scaling[module] * ((x @ a.T) @ b.T)
+        if module in scaling:
+            a = lora[f"{module}.lora_A.weight"]
+            b = lora[f"{module}.lora_B.weight"]
+            y = y + scaling[module] * ((x @ a.T) @ b.T)
         return y
 
     tokens = torch.tensor([ids])
@@ -85,6 +161,4 @@ def rank_main(
     part = x @ w["lm_head.weight"].T
     parts = [torch.empty_like(part) for _ in range(ws)]
     dist.all_gather(parts, part)
-    if rank == 0:
-        save_file({"logits": torch.cat(parts, dim=-1).contiguous()}, out)
-    dist.destroy_process_group()
+    return torch.cat(parts, dim=-1)

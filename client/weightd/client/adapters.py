@@ -16,7 +16,8 @@ import torch
 
 from weightd.v1 import weightd_pb2 as pb
 
-from .errors import DataLossError, from_rpc_error
+from .errors import DataLossError, InvalidArgumentError, from_rpc_error
+from .transports import FetchInfo, Transport
 
 _KINDS: Final = {
     pb.AdapterEvent.LOAD: "load",
@@ -35,6 +36,13 @@ class AdapterWeights:
     base_model: str
     scaling: dict[str, float]  # module -> factor applied to B @ A @ x
     tensors: dict[str, torch.Tensor]
+    #: How they were served: ``info.transport`` is "grpc", "shm" or "cuda_ipc"; for
+    #: "auto", ``info.reason`` and ``info.fallbacks`` say why (as for base fetches).
+    info: FetchInfo | None = None
+
+    @property
+    def transport(self) -> str:
+        return self.info.transport if self.info is not None else "grpc"
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,67 @@ def fetch_adapter(
     info = first[0].adapter
     return AdapterWeights(
         info.name, info.version, info.digest, info.base_model, dict(info.scaling), tensors
+    )
+
+
+def fetch_adapter_via(
+    target: str,
+    stub: Any,
+    name: str,
+    rank: int,
+    world_size: int,
+    *,
+    transport: Transport,
+    device: str | torch.device | None,
+    copy: bool,
+    verify: bool,
+    timeout: float | None,
+    chunk_bytes: int,
+) -> AdapterWeights:
+    """:func:`fetch_adapter` over the transport ``negotiated_fetch`` picks, like base fetches.
+
+    Over shared memory / CUDA IPC the tensors view the adapter version's pack, whose
+    lease (held while any tensor lives, or until ``copy`` made private ones) also holds
+    that version in the daemon: an unload or replace cannot free what a worker maps.
+    """
+    from .local_fetch import negotiated_fetch
+
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidArgumentError(
+            f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
+        )
+    if device is None:
+        device = "cuda" if transport == "cuda_ipc" else "cpu"
+    streamed: list[AdapterWeights] = []
+
+    def grpc_fetch() -> dict[str, torch.Tensor]:
+        streamed.append(fetch_adapter(stub, name, rank, world_size, timeout, chunk_bytes))
+        return streamed[-1].tensors
+
+    tensors, info = negotiated_fetch(
+        target,
+        transport,
+        grpc_fetch,
+        model="",
+        world_size=world_size,
+        rank=rank,
+        names=(),
+        device=torch.device(device),
+        copy=copy,
+        verify=verify,
+        timeout=timeout,
+        adapter=name,
+    )
+    if info.transport == "grpc":
+        got = streamed[-1]
+        return AdapterWeights(
+            got.name, got.version, got.digest, got.base_model, got.scaling, tensors, info
+        )
+    ref = info.pack.adapter if info.pack is not None else None
+    if ref is None or ref.name != name:
+        raise DataLossError(f"adapter {name!r}: the daemon granted a pack of something else")
+    return AdapterWeights(
+        ref.name, ref.version, ref.digest, ref.base_model, dict(ref.scaling), tensors, info
     )
 
 

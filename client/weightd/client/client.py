@@ -31,7 +31,7 @@ from weightd.common.digests import slice_digest
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from .adapters import AdapterWatch, AdapterWeights, fetch_adapter
+from .adapters import AdapterWatch, AdapterWeights, fetch_adapter_via
 from .dtypes import torch_dtype
 from .errors import DataLossError, InvalidArgumentError, WeightdError, from_rpc_error
 from .layout import Layout
@@ -208,9 +208,36 @@ class WeightClient:
 
     # --- metadata --------------------------------------------------------------------
 
-    def fetch_adapter(self, name: str, rank: int, world_size: int) -> AdapterWeights:
-        """Rank ``rank``'s slices of the current version of adapter ``name`` (gRPC)."""
-        return fetch_adapter(self._stub, name, rank, world_size, self.timeout, self.chunk_bytes)
+    def fetch_adapter(
+        self,
+        name: str,
+        rank: int,
+        world_size: int,
+        *,
+        transport: Transport = "auto",
+        device: str | torch.device | None = None,
+        copy: bool = False,
+        verify: bool = False,
+    ) -> AdapterWeights:
+        """Rank ``rank``'s slices of the current version of adapter ``name``.
+
+        Transports, ``copy`` and ``verify`` as for :meth:`fetch` (``device=None``: the
+        CPU, or the current GPU for ``"cuda_ipc"``); the result names the version and
+        ``.transport``.
+        """
+        return fetch_adapter_via(
+            self.target,
+            self._stub,
+            name,
+            rank,
+            world_size,
+            transport=transport,
+            device=device,
+            copy=copy,
+            verify=verify,
+            timeout=self.timeout,
+            chunk_bytes=self.chunk_bytes,
+        )
 
     def watch_adapters(self, timeout: float | None = None) -> AdapterWatch:
         """Adapter events: a load for each adapter loaded now, then every change in order."""

@@ -23,9 +23,10 @@ from google.protobuf.message import DecodeError
 
 from weightd.common.frames import FrameError, recv_frame, send_frame
 from weightd.v1 import local_pb2 as lpb
+from weightd.v1 import weightd_pb2 as pb
 
 from .errors import UnavailableError, WeightdError, error_for
-from .transports import PackRef
+from .transports import AdapterRef, PackRef
 
 #: Connecting and reading the hello take no longer than this.
 CONNECT_TIMEOUT_SECONDS: Final = 10.0
@@ -120,6 +121,13 @@ def pack_ref(grant: lpb.PackGrant) -> PackRef:
         gpu_uuid=grant.gpu_uuid,
         pinned=grant.pinned,
         built=grant.built,
+        adapter=adapter_ref(grant.adapter) if grant.HasField("adapter") else None,
+    )
+
+
+def adapter_ref(info: pb.AdapterInfo) -> AdapterRef:
+    return AdapterRef(
+        info.name, info.version, info.digest, info.base_model, tuple(sorted(info.scaling.items()))
     )
 
 

@@ -50,8 +50,13 @@ def negotiated_fetch(
     copy: bool,
     verify: bool,
     timeout: float | None,
+    adapter: str = "",
 ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
-    """Try the candidate transports in order (see ``transports``); report every failure."""
+    """Try the candidate transports in order (see ``transports``); report every failure.
+
+    ``adapter``: fetch the rank's pack of that LoRA adapter's current version instead
+    of the model's weights (``grpc_fetch`` then streams the adapter).
+    """
     side = side_socket_path(target)
     try:
         order, reason = candidates(
@@ -81,6 +86,7 @@ def negotiated_fetch(
                 copy=copy,
                 verify=verify,
                 timeout=timeout,
+                adapter=adapter,
             )
             copied = copy or (name == "shm" and device.type != "cpu")
             return state, FetchInfo(name, transport, reason, tuple(failures), ref, copied)
@@ -115,8 +121,9 @@ def fetch_local(
     copy: bool,
     verify: bool,
     timeout: float | None,
+    adapter: str = "",
 ) -> tuple[dict[str, torch.Tensor], PackRef]:
-    """One rank's tensors through ``transport`` ("shm" or "cuda_ipc")."""
+    """One rank's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc"."""
     conn = LocalConnection(path, transport, timeout)
     try:
         acquire = lpb.AcquirePack(
@@ -124,6 +131,7 @@ def fetch_local(
             layout=pb.Layout(tp_size=world_size, tp_rank=rank),
             names=list(names),
             placement=lpb.PLACEMENT_HOST,
+            adapter=adapter,
         )
         if transport == "cuda_ipc":
             acquire.placement = lpb.PLACEMENT_CUDA

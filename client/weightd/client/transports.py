@@ -21,6 +21,17 @@ SIDE_SOCKET_SUFFIX: Final = ".local"
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """The adapter version an adapter pack holds (what ``FetchAdapter`` names in gRPC)."""
+
+    name: str
+    version: int
+    digest: str
+    base_model: str
+    scaling: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
 class PackRef:
     """A granted pack, enough for another local process to attach to it (while it exists).
 
@@ -38,6 +49,7 @@ class PackRef:
     gpu_uuid: str = ""
     pinned: bool = False
     built: bool = False
+    adapter: AdapterRef | None = None  # an adapter pack: the version it holds
 
 
 @dataclass(frozen=True)

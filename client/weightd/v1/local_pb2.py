@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from weightd.v1 import weightd_pb2 as weightd_dot_v1_dot_weightd__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16weightd/v1/local.proto\x12\nweightd.v1\x1a\x18weightd/v1/weightd.proto\"\x82\x01\n\nLocalHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12)\n\nplacements\x18\x03 \x03(\x0e\x32\x15.weightd.v1.Placement\x12\x11\n\tgpu_uuids\x18\x04 \x03(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\"\x8b\x01\n\x0b\x41\x63quirePack\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.weightd.v1.Layout\x12\r\n\x05names\x18\x03 \x03(\t\x12(\n\tplacement\x18\x04 \x01(\x0e\x32\x15.weightd.v1.Placement\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\"=\n\nAttachPack\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x0f\n\x07pack_id\x18\x02 \x01(\x04\x12\r\n\x05names\x18\x03 \x03(\t\"\x12\n\x10PackStatsRequest\"\x9e\x01\n\x0cLocalRequest\x12*\n\x07\x61\x63quire\x18\x01 \x01(\x0b\x32\x17.weightd.v1.AcquirePackH\x00\x12(\n\x06\x61ttach\x18\x02 \x01(\x0b\x32\x16.weightd.v1.AttachPackH\x00\x12-\n\x05stats\x18\x03 \x01(\x0b\x32\x1c.weightd.v1.PackStatsRequestH\x00\x42\t\n\x07request\"\x8e\x01\n\tPackEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x11\n\tsplit_dim\x18\x07 \x01(\r\x12\x12\n\nreplicated\x18\x08 \x01(\x08\"\x90\x02\n\tPackGrant\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x0f\n\x07pack_id\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\"\n\x06layout\x18\x04 \x01(\x0b\x32\x12.weightd.v1.Layout\x12(\n\tplacement\x18\x05 \x01(\x0e\x32\x15.weightd.v1.Placement\x12\x12\n\nsize_bytes\x18\x06 \x01(\x04\x12&\n\x07\x65ntries\x18\x07 \x03(\x0b\x32\x15.weightd.v1.PackEntry\x12\x17\n\x0f\x63uda_ipc_handle\x18\x08 \x01(\x0c\x12\x10\n\x08gpu_uuid\x18\t \x01(\t\x12\x0e\n\x06pinned\x18\n \x01(\x08\x12\r\n\x05\x62uilt\x18\x0b \x01(\x08\"\xd4\x01\n\x08PackStat\x12\x0f\n\x07pack_id\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.weightd.v1.Layout\x12(\n\tplacement\x18\x04 \x01(\x0e\x32\x15.weightd.v1.Placement\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06leases\x18\x07 \x01(\r\x12\x14\n\x0cidle_seconds\x18\x08 \x01(\x01\x12\x0e\n\x06pinned\x18\t \x01(\x08\"\x83\x02\n\nLocalStats\x12#\n\x05packs\x18\x01 \x03(\x0b\x32\x14.weightd.v1.PackStat\x12\x12\n\nhost_bytes\x18\x02 \x01(\x04\x12\x19\n\x11host_budget_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\x04 \x01(\x04\x12\x18\n\x10pin_budget_bytes\x18\x05 \x01(\x04\x12\x12\n\ncuda_bytes\x18\x06 \x01(\x04\x12\x19\n\x11\x63uda_budget_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62uilds_total\x18\x08 \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\t \x01(\x04\x12\x13\n\x0b\x63onnections\x18\n \x01(\r\"=\n\nLocalError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\x08\"\x95\x01\n\rLocalResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.weightd.v1.PackGrantH\x00\x12\'\n\x05stats\x18\x02 \x01(\x0b\x32\x16.weightd.v1.LocalStatsH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.weightd.v1.LocalErrorH\x00\x42\n\n\x08response*N\n\tPlacement\x12\x19\n\x15PLACEMENT_UNSPECIFIED\x10\x00\x12\x12\n\x0ePLACEMENT_HOST\x10\x01\x12\x12\n\x0ePLACEMENT_CUDA\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16weightd/v1/local.proto\x12\nweightd.v1\x1a\x18weightd/v1/weightd.proto\"\x82\x01\n\nLocalHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12)\n\nplacements\x18\x03 \x03(\x0e\x32\x15.weightd.v1.Placement\x12\x11\n\tgpu_uuids\x18\x04 \x03(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\"\x9c\x01\n\x0b\x41\x63quirePack\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.weightd.v1.Layout\x12\r\n\x05names\x18\x03 \x03(\t\x12(\n\tplacement\x18\x04 \x01(\x0e\x32\x15.weightd.v1.Placement\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\"=\n\nAttachPack\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x0f\n\x07pack_id\x18\x02 \x01(\x04\x12\r\n\x05names\x18\x03 \x03(\t\"\x12\n\x10PackStatsRequest\"\x9e\x01\n\x0cLocalRequest\x12*\n\x07\x61\x63quire\x18\x01 \x01(\x0b\x32\x17.weightd.v1.AcquirePackH\x00\x12(\n\x06\x61ttach\x18\x02 \x01(\x0b\x32\x16.weightd.v1.AttachPackH\x00\x12-\n\x05stats\x18\x03 \x01(\x0b\x32\x1c.weightd.v1.PackStatsRequestH\x00\x42\t\n\x07request\"\x8e\x01\n\tPackEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x11\n\tsplit_dim\x18\x07 \x01(\r\x12\x12\n\nreplicated\x18\x08 \x01(\x08\"\xba\x02\n\tPackGrant\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x0f\n\x07pack_id\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\"\n\x06layout\x18\x04 \x01(\x0b\x32\x12.weightd.v1.Layout\x12(\n\tplacement\x18\x05 \x01(\x0e\x32\x15.weightd.v1.Placement\x12\x12\n\nsize_bytes\x18\x06 \x01(\x04\x12&\n\x07\x65ntries\x18\x07 \x03(\x0b\x32\x15.weightd.v1.PackEntry\x12\x17\n\x0f\x63uda_ipc_handle\x18\x08 \x01(\x0c\x12\x10\n\x08gpu_uuid\x18\t \x01(\t\x12\x0e\n\x06pinned\x18\n \x01(\x08\x12\r\n\x05\x62uilt\x18\x0b \x01(\x08\x12(\n\x07\x61\x64\x61pter\x18\x0c \x01(\x0b\x32\x17.weightd.v1.AdapterInfo\"\xfe\x01\n\x08PackStat\x12\x0f\n\x07pack_id\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.weightd.v1.Layout\x12(\n\tplacement\x18\x04 \x01(\x0e\x32\x15.weightd.v1.Placement\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06leases\x18\x07 \x01(\r\x12\x14\n\x0cidle_seconds\x18\x08 \x01(\x01\x12\x0e\n\x06pinned\x18\t \x01(\x08\x12\x0f\n\x07\x61\x64\x61pter\x18\n \x01(\t\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x0b \x01(\x04\"\x83\x02\n\nLocalStats\x12#\n\x05packs\x18\x01 \x03(\x0b\x32\x14.weightd.v1.PackStat\x12\x12\n\nhost_bytes\x18\x02 \x01(\x04\x12\x19\n\x11host_budget_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\x04 \x01(\x04\x12\x18\n\x10pin_budget_bytes\x18\x05 \x01(\x04\x12\x12\n\ncuda_bytes\x18\x06 \x01(\x04\x12\x19\n\x11\x63uda_budget_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62uilds_total\x18\x08 \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\t \x01(\x04\x12\x13\n\x0b\x63onnections\x18\n \x01(\r\"=\n\nLocalError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\x08\"\x95\x01\n\rLocalResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.weightd.v1.PackGrantH\x00\x12\'\n\x05stats\x18\x02 \x01(\x0b\x32\x16.weightd.v1.LocalStatsH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.weightd.v1.LocalErrorH\x00\x42\n\n\x08response*N\n\tPlacement\x12\x19\n\x15PLACEMENT_UNSPECIFIED\x10\x00\x12\x12\n\x0ePLACEMENT_HOST\x10\x01\x12\x12\n\x0ePLACEMENT_CUDA\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weightd.v1.local_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PLACEMENT']._serialized_start=1695
-  _globals['_PLACEMENT']._serialized_end=1773
+  _globals['_PLACEMENT']._serialized_start=1796
+  _globals['_PLACEMENT']._serialized_end=1874
   _globals['_LOCALHELLO']._serialized_start=65
   _globals['_LOCALHELLO']._serialized_end=195
   _globals['_ACQUIREPACK']._serialized_start=198
-  _globals['_ACQUIREPACK']._serialized_end=337
-  _globals['_ATTACHPACK']._serialized_start=339
-  _globals['_ATTACHPACK']._serialized_end=400
-  _globals['_PACKSTATSREQUEST']._serialized_start=402
-  _globals['_PACKSTATSREQUEST']._serialized_end=420
-  _globals['_LOCALREQUEST']._serialized_start=423
-  _globals['_LOCALREQUEST']._serialized_end=581
-  _globals['_PACKENTRY']._serialized_start=584
-  _globals['_PACKENTRY']._serialized_end=726
-  _globals['_PACKGRANT']._serialized_start=729
-  _globals['_PACKGRANT']._serialized_end=1001
-  _globals['_PACKSTAT']._serialized_start=1004
-  _globals['_PACKSTAT']._serialized_end=1216
-  _globals['_LOCALSTATS']._serialized_start=1219
-  _globals['_LOCALSTATS']._serialized_end=1478
-  _globals['_LOCALERROR']._serialized_start=1480
-  _globals['_LOCALERROR']._serialized_end=1541
-  _globals['_LOCALRESPONSE']._serialized_start=1544
-  _globals['_LOCALRESPONSE']._serialized_end=1693
+  _globals['_ACQUIREPACK']._serialized_end=354
+  _globals['_ATTACHPACK']._serialized_start=356
+  _globals['_ATTACHPACK']._serialized_end=417
+  _globals['_PACKSTATSREQUEST']._serialized_start=419
+  _globals['_PACKSTATSREQUEST']._serialized_end=437
+  _globals['_LOCALREQUEST']._serialized_start=440
+  _globals['_LOCALREQUEST']._serialized_end=598
+  _globals['_PACKENTRY']._serialized_start=601
+  _globals['_PACKENTRY']._serialized_end=743
+  _globals['_PACKGRANT']._serialized_start=746
+  _globals['_PACKGRANT']._serialized_end=1060
+  _globals['_PACKSTAT']._serialized_start=1063
+  _globals['_PACKSTAT']._serialized_end=1317
+  _globals['_LOCALSTATS']._serialized_start=1320
+  _globals['_LOCALSTATS']._serialized_end=1579
+  _globals['_LOCALERROR']._serialized_start=1581
+  _globals['_LOCALERROR']._serialized_end=1642
+  _globals['_LOCALRESPONSE']._serialized_start=1645
+  _globals['_LOCALRESPONSE']._serialized_end=1794
 # @@protoc_insertion_point(module_scope)

@@ -106,11 +106,17 @@ class AcquirePack(_message.Message):
     NAMES_FIELD_NUMBER: _builtins.int
     PLACEMENT_FIELD_NUMBER: _builtins.int
     GPU_UUID_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """empty: the daemon's only model"""
     placement: Global___Placement.ValueType
     gpu_uuid: _builtins.str
     """PLACEMENT_CUDA: the GPU the pack must live on"""
+    adapter: _builtins.str
+    """Set: the pack of the current version of this LoRA adapter (model and names must
+    be empty). The pack is keyed by (adapter, version, layout), and its lease also
+    holds that version in the adapter registry until the connection ends.
+    """
     @_builtins.property
     def layout(self) -> _weightd_pb2.Layout: ...
     @_builtins.property
@@ -127,10 +133,11 @@ class AcquirePack(_message.Message):
         names: _abc.Iterable[_builtins.str] | None = ...,
         placement: Global___Placement.ValueType = ...,
         gpu_uuid: _builtins.str = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "names", b"names", "placement", b"placement"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "names", b"names", "placement", b"placement"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -276,6 +283,7 @@ class PackGrant(_message.Message):
     GPU_UUID_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
     BUILT_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     boot_id: _builtins.str
     pack_id: _builtins.int
     model: _builtins.str
@@ -294,6 +302,10 @@ class PackGrant(_message.Message):
     def layout(self) -> _weightd_pb2.Layout: ...
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PackEntry]: ...
+    @_builtins.property
+    def adapter(self) -> _weightd_pb2.AdapterInfo:
+        """set for an adapter pack: the version it holds"""
+
     def __init__(
         self,
         *,
@@ -308,10 +320,11 @@ class PackGrant(_message.Message):
         gpu_uuid: _builtins.str = ...,
         pinned: _builtins.bool = ...,
         built: _builtins.bool = ...,
+        adapter: _weightd_pb2.AdapterInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "built", b"built", "cuda_ipc_handle", b"cuda_ipc_handle", "entries", b"entries", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "boot_id", b"boot_id", "built", b"built", "cuda_ipc_handle", b"cuda_ipc_handle", "entries", b"entries", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -330,6 +343,8 @@ class PackStat(_message.Message):
     LEASES_FIELD_NUMBER: _builtins.int
     IDLE_SECONDS_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    ADAPTER_VERSION_FIELD_NUMBER: _builtins.int
     pack_id: _builtins.int
     model: _builtins.str
     placement: Global___Placement.ValueType
@@ -339,6 +354,9 @@ class PackStat(_message.Message):
     idle_seconds: _builtins.float
     """since the last lease ended; 0 while leased"""
     pinned: _builtins.bool
+    adapter: _builtins.str
+    """an adapter pack: its adapter name and version"""
+    adapter_version: _builtins.int
     @_builtins.property
     def layout(self) -> _weightd_pb2.Layout: ...
     def __init__(
@@ -353,10 +371,12 @@ class PackStat(_message.Message):
         leases: _builtins.int = ...,
         idle_seconds: _builtins.float = ...,
         pinned: _builtins.bool = ...,
+        adapter: _builtins.str = ...,
+        adapter_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_uuid", b"gpu_uuid", "idle_seconds", b"idle_seconds", "layout", b"layout", "leases", b"leases", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_version", b"adapter_version", "gpu_uuid", b"gpu_uuid", "idle_seconds", b"idle_seconds", "layout", b"layout", "leases", b"leases", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from .adapters.metrics import AdapterBudgetCollector
 from .models import LoadedModel, ModelRegistry
 from .residency import ResidencyUnavailable, resident_bytes
 from .store import FileIdentity
@@ -246,4 +247,5 @@ CONDITIONAL_COLLECTORS: tuple[type, ...] = (
     GpuMemoryCollector,
     PinnedMemoryCollector,
     ShmPackCollector,
+    AdapterBudgetCollector,
 )

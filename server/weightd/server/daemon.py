@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from . import lifecycle, listeners, logs
+from .adapters.metrics import adapter_metrics
 from .adapters.registry import AdapterRegistry
 from .adapters.rpc import Adapters
 from .collectors import (
@@ -269,10 +270,12 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         daemon.address = listeners.bind(server, address, tls, "worker")
         if address.kind == "unix" and config.local.enabled:
             daemon.local = start_local_server(
-                address.path, registry, service.slice_anchor, config.local, driver
+                address.path, registry, service.slice_anchor, config.local, driver, adapters
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)
+        if metrics_registry is not None:
+            adapters.metrics = adapter_metrics(metrics_registry, adapters, daemon.local)
         if warning:
             log.warning("%s", warning)
         if admin_address is not None:

@@ -208,6 +208,22 @@ class PackCache(Generic[P]):
         self._free(victims)
         return len(victims)
 
+    def discard(self, match: Callable[[Hashable], bool]) -> int:
+        """Free now the idle packs whose key ``match``es (what they were built from is gone).
+
+        A leased pack is never freed; callers make sure no lease can outlive the source
+        (an adapter pack's lease holds its adapter version). Returns how many were freed.
+        """
+        with self._lock:
+            victims = [
+                self._slots.pop(k)
+                for k, s in list(self._slots.items())
+                if s.leases == 0 and s.future.done() and match(k)
+            ]
+            self.evictions_total += len(victims)
+        self._free(victims)
+        return len(victims)
+
     @property
     def used_bytes(self) -> int:
         with self._lock:

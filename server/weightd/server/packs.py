@@ -130,8 +130,28 @@ class HostPack:
 
 def build_host_pack(model: LoadedModel, plan: RankPlan, anchor: AnchorFn, label: str) -> HostPack:
     """Lay out, fill, seal and verify the pack for ``plan``; on doubt it raises, unpublished."""
-    offsets, size = layout_pack(plan.slices)
     digests = [anchor(model, s, plan) for s in plan.slices]
+
+    def fill(s: TensorSlice, into: memoryview) -> None:
+        model.store.read_pattern_into(s.shard, s.pattern, into)
+
+    return build_pack(plan.slices, digests, fill, label)
+
+
+#: ``fill(slice, into)``: write exactly the slice's bytes into ``into``.
+FillFn = Callable[[TensorSlice, memoryview], None]
+
+
+def build_pack(
+    slices: Sequence[TensorSlice], digests: Sequence[str], fill: FillFn, label: str
+) -> HostPack:
+    """A sealed, re-verified pack of ``slices`` (each must hash to its digest), from ``fill``.
+
+    Base weights fill from the shard store's descriptors; adapters from the verified
+    in-memory copy of their weights file. Either way nothing is published before the
+    sealed bytes were re-hashed against the digests.
+    """
+    offsets, size = layout_pack(slices)
     fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
@@ -143,36 +163,38 @@ def build_host_pack(model: LoadedModel, plan: RankPlan, anchor: AnchorFn, label:
             raise PackMemoryExhausted(
                 f"cannot allocate {size} bytes of shared memory for pack {label}: {exc.strerror}"
             ) from None
-        _fill(model, plan, offsets, fd, size)
+        _fill(slices, fill, offsets, fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, PACK_SEALS)
         entries = tuple(
             PackEntry(s.name, s.dtype, s.shape, off, s.nbytes, d, s.split_dim, s.replicated)
-            for s, off, d in zip(plan.slices, offsets, digests, strict=True)
+            for s, off, d in zip(slices, offsets, digests, strict=True)
         )
         pack = HostPack(fd, size, entries, label)
     except BaseException:
         os.close(fd)
         raise
     try:
-        _verify(pack, plan)
+        _verify(pack, slices)
     except BaseException:
         pack.close()
         raise
     return pack
 
 
-def _fill(model: LoadedModel, plan: RankPlan, offsets: list[int], fd: int, size: int) -> None:
+def _fill(
+    slices: Sequence[TensorSlice], fill: FillFn, offsets: list[int], fd: int, size: int
+) -> None:
     writer = mmap.mmap(fd, size)  # MAP_SHARED, writable: the one writer, unmapped before sealing
     try:
         with memoryview(writer) as view:
-            for s, off in zip(plan.slices, offsets, strict=True):
+            for s, off in zip(slices, offsets, strict=True):
                 if s.nbytes:
-                    model.store.read_pattern_into(s.shard, s.pattern, view[off : off + s.nbytes])
+                    fill(s, view[off : off + s.nbytes])
     finally:
         writer.close()
 
 
-def _verify(pack: HostPack, plan: RankPlan) -> None:
+def _verify(pack: HostPack, slices: Sequence[TensorSlice]) -> None:
     """Hash every slice from the sealed memfd and compare with its anchored digest."""
     with memoryview(pack.mapping) as view:
 
@@ -184,7 +206,7 @@ def _verify(pack: HostPack, plan: RankPlan) -> None:
         workers = max(1, min(_HASH_THREADS, os.cpu_count() or 1, len(pack.entries)))
         with ThreadPoolExecutor(workers, thread_name_prefix="weightd-pack-hash") as pool:
             actual = list(pool.map(digest, pack.entries))
-    for e, s, got in zip(pack.entries, plan.slices, actual, strict=True):
+    for e, s, got in zip(pack.entries, slices, actual, strict=True):
         if got != e.digest:
             raise DataIntegrityError(
                 f"tensor {e.name!r} in shard {s.shard}: bytes copied into pack {pack.label} hash "

@@ -128,6 +128,12 @@ class AdapterRegistry:
     _watches: list[Watch] = field(default_factory=list)
     _versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     _clock: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    #: Called (outside the lock) with (name, version) when a version's bytes are let go:
+    #: retired and unleased. Packs built from it are freed then (see adapters.packs).
+    _on_drop: list[Callable[[str, int], None]] = field(default_factory=list)
+    #: Called under the lock with every event, in order (metrics count them).
+    _on_event: list[Callable[[AdapterEvent], None]] = field(default_factory=list)
+    _dropped: list[tuple[str, int]] = field(default_factory=list)
 
     # --- loading ------------------------------------------------------------------
 
@@ -164,6 +170,12 @@ class AdapterRegistry:
                 del self._loading[key]
 
     def _publish(self, name: str, adapter: LoadedAdapter) -> AdapterVersion:
+        try:
+            return self._publish_locked(name, adapter)
+        finally:
+            self._notify_dropped()
+
+    def _publish_locked(self, name: str, adapter: LoadedAdapter) -> AdapterVersion:
         with self._lock:
             old = self._entries.get(name)
             self._make_room(adapter.nbytes, name)
@@ -213,8 +225,11 @@ class AdapterRegistry:
     # --- unloading, pinning ---------------------------------------------------------
 
     def unload(self, name: str) -> AdapterVersion:
-        with self._lock:
-            return self._drop(name, "unloaded")
+        try:
+            with self._lock:
+                return self._drop(name, "unloaded")
+        finally:
+            self._notify_dropped()
 
     def _drop(self, name: str, reason: str) -> AdapterVersion:
         entry = self._entries.pop(name, None)
@@ -231,6 +246,7 @@ class AdapterRegistry:
         held.retired = True
         if held.leases == 0:
             del self._held[key]
+            self._dropped.append(key)
 
     def set_pinned(self, name: str, pinned: bool) -> None:
         with self._lock:
@@ -252,6 +268,19 @@ class AdapterRegistry:
             self._held[(name, entry.current.version)].leases += 1
             return Lease(self, entry.current)
 
+    def lease_version(self, name: str, version: int) -> Lease:
+        """Hold ``version`` of ``name`` (current or retired) while it still exists.
+
+        For a second process attaching to an adapter pack another one fetched: the
+        version it maps must stay held, but it may no longer be the current one.
+        """
+        with self._lock:
+            held = self._held.get((name, version))
+            if held is None:
+                raise AdapterNotFound(f"version {version} of adapter {name!r} is no longer held")
+            held.leases += 1
+            return Lease(self, held.version)
+
     def _release(self, version: AdapterVersion) -> None:
         with self._lock:
             key = (version.name, version.version)
@@ -259,6 +288,28 @@ class AdapterRegistry:
             held.leases -= 1
             if held.leases == 0 and held.retired:
                 del self._held[key]
+                self._dropped.append(key)
+        self._notify_dropped()
+
+    # --- observers -------------------------------------------------------------------
+
+    def on_drop(self, callback: Callable[[str, int], None]) -> None:
+        """Call ``callback(name, version)`` whenever a version is let go (see ``_on_drop``)."""
+        with self._lock:
+            self._on_drop.append(callback)
+
+    def on_event(self, callback: Callable[[AdapterEvent], None]) -> None:
+        """Call ``callback(event)`` for every event, under the registry lock: keep it cheap."""
+        with self._lock:
+            self._on_event.append(callback)
+
+    def _notify_dropped(self) -> None:
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+            callbacks = list(self._on_drop)
+        for name, version in dropped:
+            for callback in callbacks:
+                callback(name, version)
 
     # --- watching and reading --------------------------------------------------------
 
@@ -277,6 +328,8 @@ class AdapterRegistry:
             self._watches.remove(w)
 
     def _emit(self, event: AdapterEvent) -> None:
+        for callback in self._on_event:
+            callback(event)
         for w in list(self._watches):
             w._put(event)
 

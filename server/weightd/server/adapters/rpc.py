@@ -8,21 +8,22 @@ Slice digests are SHA-256 of bytes cut from the in-memory copy the load verified
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Final
 
 import grpc
 
-from weightd.common.digests import slice_digest
 from weightd.v1 import weightd_pb2 as pb
 
 from ..errors import InvalidRequest, status_for
 from ..models import ModelRegistry
 from .load import load_adapter
-from .plan import plan_adapter
+from .metrics import AdapterMetrics
+from .packs import slice_bytes
+from .plan import AdapterSlicePlan, plan_adapter
 from .registry import AdapterEvent, AdapterRegistry, AdapterVersion
 
 log = logging.getLogger("weightd.adapters")
@@ -64,6 +65,8 @@ class Adapters:
         self.registry = registry
         self.roots = tuple(roots)
         self._stop = threading.Event()
+        #: Load latency and rejections, when the daemon exports metrics.
+        self.metrics: AdapterMetrics | None = None
 
     def close(self) -> None:
         """Ends every watch stream (daemon shutdown)."""
@@ -90,6 +93,18 @@ class Adapters:
         return pb.AdapterStatus(name=name)
 
     def load(self, request: pb.LoadAdapterRequest) -> pb.AdapterStatus:
+        started = time.monotonic()
+        try:
+            status = self._load(request)
+        except Exception as exc:
+            if self.metrics is not None:
+                self.metrics.rejected(exc)
+            raise
+        if self.metrics is not None:
+            self.metrics.published(time.monotonic() - started)
+        return status
+
+    def _load(self, request: pb.LoadAdapterRequest) -> pb.AdapterStatus:
         _check_name(request.name)
         if not request.source_dir:
             raise InvalidRequest("source_dir is empty")
@@ -120,14 +135,17 @@ class Adapters:
 
     # --- worker -------------------------------------------------------------------
 
+    def plan(self, v: AdapterVersion, world_size: int, rank: int) -> AdapterSlicePlan:
+        """Which slices of version ``v`` rank ``rank`` of ``world_size`` receives."""
+        model = self.models.get(v.adapter.base_model)
+        return plan_adapter(v.adapter.modules, model.checkpoint, model.rules, world_size, rank)
+
     def fetch(
         self, request: pb.FetchAdapterRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.FetchResponse]:
         try:
             _check_name(request.name)
-            layout = request.layout
-            if layout.pp_size > 1 or layout.ep_size > 1:
-                raise InvalidRequest("adapters are served for tensor parallelism only")
+            check_tp_only(request.layout)
             lease = self.registry.lease(request.name)
         except Exception as exc:
             _abort(context, exc, "FetchAdapter")
@@ -145,14 +163,7 @@ class Adapters:
     ) -> Iterator[pb.FetchResponse]:
         from ..service import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
-        model = self.models.get(v.adapter.base_model)
-        plan = plan_adapter(
-            v.adapter.modules,
-            model.checkpoint,
-            model.rules,
-            request.layout.tp_size,
-            request.layout.tp_rank,
-        )
+        plan = self.plan(v, request.layout.tp_size, request.layout.tp_rank)
         chunk = max(
             MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, request.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
         )
@@ -169,8 +180,7 @@ class Adapters:
         for index, s in enumerate(plan.slices):
             if not context.is_active():
                 return
-            data = v.adapter.read(s.pattern)
-            digest = slice_digest(hashlib.sha256(data))
+            data, digest = slice_bytes(v, s)
             header = pb.SliceHeader(
                 name=s.name,
                 dtype=s.dtype,
@@ -219,6 +229,11 @@ class Adapters:
                 yield to_pb(event)
         finally:
             w.close()
+
+
+def check_tp_only(layout: pb.Layout) -> None:
+    if layout.pp_size > 1 or layout.ep_size > 1:
+        raise InvalidRequest("adapters are served for tensor parallelism only")
 
 
 def to_pb(e: AdapterEvent) -> pb.AdapterEvent:

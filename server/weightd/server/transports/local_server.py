@@ -30,6 +30,7 @@ from weightd.common.cuda_driver import CudaDriver
 from weightd.common.frames import FrameError, recv_frame, send_frame
 from weightd.v1 import local_pb2 as lpb
 
+from ..adapters.rpc import Adapters
 from ..listen import ListenError
 from ..models import ModelRegistry
 from ..packs import AnchorFn
@@ -187,9 +188,10 @@ def start_local_server(
     anchor: AnchorFn,
     config: LocalConfig,
     driver: CudaDriver | None,
+    adapters: Adapters | None = None,
 ) -> LocalServer:
     """The side socket for a daemon listening on ``grpc_socket_path``, started."""
-    service = PackService(registry, anchor, config, driver)
+    service = PackService(registry, anchor, config, driver, adapters)
     server = LocalServer(grpc_socket_path + LOCAL_SOCKET_SUFFIX, service, config.max_connections)
     server.start()
     return server

@@ -8,7 +8,9 @@ gRPC instead of giving up.
 One host pack per (model content, world size, rank): the key is a fingerprint of the
 model's config and verified tensor digests, so a reload with identical bytes keeps
 its packs and a changed model never reuses a stale one. A GPU pack is built from the
-host pack (which must therefore fit the shared-memory budget too).
+host pack (which must therefore fit the shared-memory budget too). LoRA adapter packs
+(``AcquirePack.adapter``) live in the same caches and budgets, keyed by adapter version
+instead; their rules are in :mod:`weightd.server.adapters.packs`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, replace
 from typing import Final
 
 import grpc
@@ -30,9 +32,20 @@ from weightd.common.cuda_driver import CudaDriver
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 
+from ..adapters.packs import (
+    AdapterPackLease,
+    AdapterTag,
+    adapter_key,
+    adapter_key_matches,
+    adapter_tag,
+    build_adapter_pack,
+)
+from ..adapters.rpc import Adapters, check_tp_only
 from ..errors import (
+    AdapterNotFound,
     DataIntegrityError,
     LocalProtocolError,
+    NoAdapters,
     PlacementUnavailable,
     StaleGrant,
     TransportError,
@@ -59,6 +72,12 @@ class PackInfo:
     tp_rank: int
     placement: lpb.Placement.ValueType
     gpu_uuid: str = ""
+    adapter: AdapterTag | None = None  # an adapter pack: the version it holds
+
+
+#: A lease the side socket holds for a connection: on a base pack, or on an adapter
+#: pack together with its adapter version.
+Held = Lease[HostPack] | Lease[CudaPack] | AdapterPackLease
 
 
 @dataclass
@@ -67,7 +86,7 @@ class Outcome:
 
     response: lpb.LocalResponse
     fds: list[int]
-    lease: Lease[HostPack] | Lease[CudaPack] | None = None
+    lease: Held | None = None
 
 
 def model_fingerprint(model: LoadedModel) -> str:
@@ -105,8 +124,10 @@ class PackService:
         anchor: AnchorFn,
         config: LocalConfig,
         driver: CudaDriver | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         self.registry = registry
+        self.adapters = adapters
         self.anchor = anchor
         #: Open side-channel connections, for stats; the socket server sets it.
         self.connections: Callable[[], int] = lambda: 0
@@ -131,15 +152,32 @@ class PackService:
             )
             for gpu in (self.placer.gpus if self.placer else {})
         }
+        if adapters is not None:
+            adapters.registry.on_drop(self._adapter_dropped)
 
     def host_usage(self) -> dict[str, tuple[int, int]]:
         """Model name -> (bytes, leases) of its shared-memory packs, for the metrics."""
         usage: dict[str, tuple[int, int]] = {}
         for state in self.host.states():
-            if isinstance(state.info, PackInfo):
+            if isinstance(state.info, PackInfo) and state.info.adapter is None:
                 size, leases = usage.get(state.info.model, (0, 0))
                 usage[state.info.model] = (size + state.size, leases + state.leases)
         return usage
+
+    def adapter_usage(self) -> tuple[int, int, int]:
+        """(packs, bytes, leases) of adapter packs in every placement, for the metrics."""
+        packs = size = leases = 0
+        for cache in self._caches():
+            for state in cache.states():
+                if isinstance(state.info, PackInfo) and state.info.adapter is not None:
+                    packs, size, leases = packs + 1, size + state.size, leases + state.leases
+        return packs, size, leases
+
+    def _adapter_dropped(self, name: str, version: int) -> None:
+        """The registry let ``version`` of ``name`` go: its idle packs go now, not at TTL."""
+        match = adapter_key_matches(name, version)
+        for cache in self._caches():
+            cache.discard(match)
 
     def _caches(self) -> list[PackCache[HostPack] | PackCache[CudaPack]]:
         return [self.host, *self.gpu.values()]
@@ -177,6 +215,8 @@ class PackService:
             return Outcome(lpb.LocalResponse(error=error), [])
 
     def _acquire(self, req: lpb.AcquirePack) -> Outcome:
+        if req.adapter:
+            return self._acquire_adapter(req)
         model = self.registry.get(req.model)
         ws, rank = req.layout.tp_size, req.layout.tp_rank
         if req.names:
@@ -209,6 +249,50 @@ class PackService:
         host = self.host.acquire(key, size, info, build)
         if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
             return self._answer(host, list(req.names))
+        return self._answer(self._place(req, host, key, info), list(req.names))
+
+    def _acquire_adapter(self, req: lpb.AcquirePack) -> Outcome:
+        """The current version of adapter ``req.adapter``: its pack, leased with the version."""
+        if self.adapters is None:
+            raise NoAdapters("this daemon serves no adapters")
+        if req.model or req.names:
+            raise LocalProtocolError(
+                "an adapter pack request names the adapter only (no model, no tensor names)"
+            )
+        check_tp_only(req.layout)
+        adapters = self.adapters
+        ws, rank = req.layout.tp_size, req.layout.tp_rank
+        version = adapters.registry.lease(req.adapter)
+        try:
+            v = version.version
+            plan = adapters.plan(v, ws, rank)
+            key = adapter_key(v.name, v.version, ws, rank)
+            label = f"adapter:{v.name}:v{v.version}:tp{ws}:r{rank}"
+
+            def build() -> HostPack:
+                pack = build_adapter_pack(v, plan, f"weightd:{label}")
+                if self.pinner is not None:
+                    self.pinner.pin(pack)
+                log.info("built pack %s: %d tensors, %d bytes", label, len(pack.entries), pack.size)
+                return pack
+
+            _, size = layout_pack(plan.slices)
+            tag = adapter_tag(v, plan)
+            info = PackInfo(v.adapter.base_model, ws, rank, lpb.PLACEMENT_HOST, adapter=tag)
+            host = self.host.acquire(key, size, info, build)
+            lease: Lease[HostPack] | Lease[CudaPack] = host
+            if req.placement not in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
+                lease = self._place(req, host, key, info)
+        except BaseException:
+            version.release()
+            raise
+        held: Held = AdapterPackLease(lease, version)
+        return self._answer(held, [])
+
+    def _place(
+        self, req: lpb.AcquirePack, host: Lease[HostPack], key: Hashable, info: PackInfo
+    ) -> Lease[CudaPack]:
+        """A lease on the GPU copy of ``host``'s pack; ``host`` is released either way."""
         try:
             if req.placement != lpb.PLACEMENT_CUDA:
                 raise LocalProtocolError(f"placement {req.placement} is not known")
@@ -220,13 +304,12 @@ class PackService:
                     f"(GPUs it places on: {offered})"
                 )
             placer = self.placer
-            gpu_info = PackInfo(model.name, ws, rank, lpb.PLACEMENT_CUDA, req.gpu_uuid)
-            lease = cache.acquire(
-                key, size, gpu_info, lambda: placer.place(host.pack, req.gpu_uuid)
+            gpu_info = replace(info, placement=lpb.PLACEMENT_CUDA, gpu_uuid=req.gpu_uuid)
+            return cache.acquire(
+                key, host.pack.size, gpu_info, lambda: placer.place(host.pack, req.gpu_uuid)
             )
         finally:
             host.release()  # the GPU copy stands alone; the host pack ages out by its TTL
-        return self._answer(lease, list(req.names))
 
     def _attach(self, req: lpb.AttachPack) -> Outcome:
         if req.boot_id != self.boot_id:
@@ -248,13 +331,29 @@ class PackService:
         if missing:
             lease.release()
             raise LocalProtocolError(f"pack {req.pack_id} holds no tensor {missing[0]!r}")
-        return self._answer(lease, list(req.names))
+        info = lease.info
+        assert isinstance(info, PackInfo)
+        if info.adapter is None or self.adapters is None:
+            return self._answer(lease, list(req.names))
+        tag = info.adapter
+        try:
+            version = self.adapters.registry.lease_version(tag.name, tag.version)
+        except AdapterNotFound:
+            lease.release()
+            self._adapter_dropped(tag.name, tag.version)  # dropped while we attached
+            raise StaleGrant(
+                f"pack {req.pack_id} holds version {tag.version} of adapter {tag.name!r}, "
+                "which is no longer held: fetch again"
+            ) from None
+        held: Held = AdapterPackLease(lease, version)
+        return self._answer(held, list(req.names))
 
-    def _answer(self, lease: Lease[HostPack] | Lease[CudaPack], names: list[str]) -> Outcome:
+    def _answer(self, lease: Held, names: list[str]) -> Outcome:
         """The grant for a lease (entries for ``names``, or all), with what it must carry."""
         info = lease.info
         assert isinstance(info, PackInfo)
         pack = lease.pack
+        assert isinstance(pack, HostPack | CudaPack)
         grant = lpb.PackGrant(
             boot_id=self.boot_id,
             pack_id=lease.pack_id,
@@ -265,6 +364,17 @@ class PackService:
             entries=_entries(pack.entries, names),
             built=lease.built,
         )
+        if info.adapter is not None:
+            tag = info.adapter
+            grant.adapter.CopyFrom(
+                pb.AdapterInfo(
+                    name=tag.name,
+                    version=tag.version,
+                    digest=tag.digest,
+                    base_model=tag.base_model,
+                    scaling=dict(tag.scaling),
+                )
+            )
         if isinstance(pack, HostPack):
             grant.pinned = pack.pinned
             return Outcome(lpb.LocalResponse(grant=grant), [pack.fd], lease)
@@ -300,6 +410,8 @@ class PackService:
                     leases=s.leases,
                     idle_seconds=s.idle_seconds,
                     pinned=isinstance(s.pack, HostPack) and s.pack.pinned,
+                    adapter=info.adapter.name if info.adapter else "",
+                    adapter_version=info.adapter.version if info.adapter else 0,
                 )
         return out
 
