@@ -146,6 +146,8 @@ class LoadReport:
     resumes: int = 0
     resent_bytes: int = 0
     clients_killed: int = 0
+    #: Clients that ended without saying done (a crash): exit codes, never ignored.
+    clients_lost: list[int] = field(default_factory=list)
     by_layout: Counter[str] = field(default_factory=Counter)
 
     def add(self, record: dict[str, Any]) -> None:
@@ -192,6 +194,7 @@ class LoadReport:
             "resumes": self.resumes,
             "resent_bytes": self.resent_bytes,
             "clients_killed": self.clients_killed,
+            "clients_lost": self.clients_lost,
         }
 
 
@@ -228,6 +231,8 @@ class LoadRun:
 
     def kill_one(self, index: int) -> None:
         """SIGKILL one running client (whatever it is doing) and start a replacement."""
+        if not self._live:
+            return
         conn = list(self._live)[index % len(self._live)]
         proc = self._live.pop(conn)
         proc.kill()
@@ -252,17 +257,20 @@ class LoadRun:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    self._retire(conn)
+                    code = self._retire(conn)
+                    self.report.clients_lost.append(-1 if code is None else code)
                     continue
                 if "done" in msg:
                     self._retire(conn)
                 elif "ready" not in msg:
                     self.report.add(msg)
 
-    def _retire(self, conn: multiprocessing.connection.Connection) -> None:
+    def _retire(self, conn: multiprocessing.connection.Connection) -> int | None:
         proc = self._live.pop(conn)
         proc.join(30)
         conn.close()
+        code: int | None = proc.exitcode
+        return code
 
     def finish(self, timeout: float = 300) -> LoadReport:
         """Wait for every client to end its last fetch; the totals."""

@@ -1,0 +1,78 @@
+"""32 client processes fetch every rank, over and over, past the daemon's concurrency
+limit: every fetch completes and is bit-exact; the only refusals are the deliberate
+RESOURCE_EXHAUSTED, which the clients' retry policy absorbs. Also a few seconds of the
+soak command (``bench/soak.py``), with a client kill and a SIGKILL restart.
+
+Throughput and latency are printed (run with ``-s``), never asserted: the machine is
+shared. The figures of a long run are in ``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.loadgen import ClientSpec, run_load
+from tests.conftest import run_daemon
+from tests.reliability.load_support import demo_model
+
+__all__ = ["demo_model"]  # a fixture, used by name
+
+pytestmark = pytest.mark.e2e
+
+CLIENTS = 32
+LIMIT = 8  # --max-concurrent-rpcs, well below CLIENTS: the limit is really hit
+SECONDS = 10.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_32_client_processes_get_every_rank_right_past_the_concurrency_limit(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    extra = ["--max-concurrent-rpcs", str(LIMIT), "--max-workers", str(LIMIT)]
+    with run_daemon(tmp_path, [("demo", demo_model)], extra) as daemon:
+        specs = [ClientSpec(daemon.target, str(demo_model), offset=i) for i in range(CLIENTS)]
+        report = run_load(specs, SECONDS)
+        assert daemon.process.poll() is None, daemon.log()
+    summary = report.summary()
+    print(f"\nload: {json.dumps(summary)}")
+    assert not report.errors, report.error_details
+    assert not report.mismatches, report.mismatches[:5]
+    assert report.ok == report.fetches >= CLIENTS
+    # Every rank of every world size was fetched (1 + 2 + 4 layouts).
+    assert sorted(report.by_layout) == ["0/1", "0/2", "0/4", "1/2", "1/4", "2/4", "3/4"]
+    # The limit was really hit, and refusals were retried, never anything else.
+    assert report.retries["RESOURCE_EXHAUSTED"] > 0, report.retries
+    assert set(report.retries) <= {"RESOURCE_EXHAUSTED", "UNAVAILABLE"}
+
+
+def test_soak_command_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "soak.md"
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "bench.soak", "--duration", "6", "--clients", "4",
+            "--kill-every", "2", "--restart-at", "0.4", "--restart-signal", "kill",
+            "--work-dir", str(tmp_path / "work"), "--report", str(out),
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["ok"] == summary["fetches"] > 0 and summary["mismatches"] == 0
+    assert summary["clients_killed"] >= 2 and not summary["errors"]
+    assert summary["clients_lost"] == []  # no client crashed
+    assert summary["retries"].get("UNAVAILABLE", 0) > 0  # the restart was seen and retried
+    text = out.read_text()
+    needles = (
+        "restarted 1 time(s) mid-run (SIGKILL)",
+        "fetch latency p50 / p99 / max",
+        "daemon at start",
+        "daemon at end",
+        "errors (after retries) | none",
+    )
+    for needle in needles:
+        assert needle in text, text
