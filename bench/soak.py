@@ -63,6 +63,7 @@ def _markdown(
     report: LoadReport,
     start: ProcUsage,
     end: ProcUsage,
+    before_restart: ProcUsage | None,
     restarts: int,
     started_at: str,
 ) -> str:
@@ -95,7 +96,12 @@ def _markdown(
         f"| throughput | {s['GB/s']} GB/s, {s['fetches/s']} fetches/s |",
         f"| fetch latency p50 / p99 / max | {s['p50_ms']} / {s['p99_ms']} / {s['max_ms']} ms |",
         f"| daemon at start | {start.row()} |",
-        f"| daemon at end | {end.row()} |",
+        *(
+            [f"| first daemon just before its restart | {before_restart.row()} |"]
+            if before_restart is not None
+            else []
+        ),
+        f"| daemon at end{' (the one started at the restart)' if restarts else ''} | {end.row()} |",
         "",
         f"Fetches per rank/world size: {layouts}.",
         "",
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         restart_at = args.restart_at * args.duration if args.restart_at else None
         next_kill = args.kill_every or None
         kills = 0
+        before_restart: ProcUsage | None = None
         while time.monotonic() - t0 < args.duration:
             run.pump(0.5)
             now = time.monotonic() - t0
@@ -154,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 next_kill += args.kill_every
             if restart_at is not None and now >= restart_at:
                 restart_at = None
+                before_restart = proc_usage(daemon.process.pid)
                 if args.restart_signal == "kill":
                     daemon.process.kill()
                     daemon.process.wait(60)
@@ -166,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         end_usage = proc_usage(daemon.process.pid)
     finally:
         stop_daemon(daemon)
-    text = _markdown(args, report, start_usage, end_usage, daemons - 1, started_at)
+    text = _markdown(args, report, start_usage, end_usage, before_restart, daemons - 1, started_at)
     print(text)
     print(json.dumps(report.summary()))
     if args.report is not None:
