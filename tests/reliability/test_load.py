@@ -3,7 +3,7 @@ limit: every fetch completes and is bit-exact; the only refusals are the deliber
 RESOURCE_EXHAUSTED, which the clients' retry policy absorbs. Also a few seconds of the
 soak command (``bench/soak.py``), with a client kill and a SIGKILL restart.
 
-Throughput and latency are printed (run with ``-s``), never asserted: the machine is
+Throughput and latency are printed in the test output, never asserted: the machine is
 shared. The figures of a long run are in ``docs/reliability.md``.
 """
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_32_client_processes_get_every_rank_right_past_the_concurrency_limit(
-    demo_model: Path, tmp_path: Path
+    demo_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     extra = ["--max-concurrent-rpcs", str(LIMIT), "--max-workers", str(LIMIT)]
     with run_daemon(tmp_path, [("demo", demo_model)], extra) as daemon:
@@ -39,7 +39,8 @@ def test_32_client_processes_get_every_rank_right_past_the_concurrency_limit(
         report = run_load(specs, SECONDS)
         assert daemon.process.poll() is None, daemon.log()
     summary = report.summary()
-    print(f"\nload: {json.dumps(summary)}")
+    with capsys.disabled():  # the figures belong in the test output, even without -s
+        print(f"\nload: {json.dumps(summary)}")
     assert not report.errors, report.error_details
     assert not report.mismatches, report.mismatches[:5]
     assert report.ok == report.fetches >= CLIENTS
