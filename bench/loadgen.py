@@ -71,7 +71,7 @@ def reference_slices(model_dir: str, ws: int, rank: int) -> dict[str, Any]:
     return out
 
 
-def _mismatch(got: dict[str, Any], want: dict[str, Any]) -> str:
+def mismatch(got: dict[str, Any], want: dict[str, Any]) -> str:
     """'' when ``got`` is bit-identical to ``want``; else what differs."""
     import torch
 
@@ -113,7 +113,7 @@ def client_main(spec: ClientSpec, conn: multiprocessing.connection.Connection) -
         record: dict[str, Any] = {"ws": ws, "rank": rank, "code": "", "mismatch": ""}
         try:
             state = client.fetch(rank, ws, transport=spec.transport)  # type: ignore[arg-type]
-            record["mismatch"] = _mismatch(state, want[(ws, rank)])
+            record["mismatch"] = mismatch(state, want[(ws, rank)])
             record["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
         except WeightdError as exc:
             record["code"] = exc.code.name

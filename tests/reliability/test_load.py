@@ -12,13 +12,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import grpc
 import pytest
 
-from bench.loadgen import ClientSpec, run_load
+from bench.loadgen import ClientSpec, mismatch, reference_slices, run_load
 from tests.conftest import run_daemon
 from tests.reliability.load_support import demo_model
+from weightd.client import ResourceExhaustedError, RetryPolicy, WeightClient
+from weightd.v1 import weightd_pb2 as pb
+from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 __all__ = ["demo_model"]  # a fixture, used by name
 
@@ -77,3 +82,35 @@ def test_soak_command_smoke(tmp_path: Path) -> None:
     )
     for needle in needles:
         assert needle in text, text
+
+
+def test_the_limit_refuses_with_resource_exhausted_and_the_policy_waits_it_out(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    """Deterministically: LIMIT streams held open fill the daemon; a client without a
+    policy is refused at once, one with a policy backs off until a slot frees."""
+    extra = ["--max-concurrent-rpcs", str(LIMIT), "--max-workers", str(LIMIT)]
+    with run_daemon(tmp_path, [("demo", demo_model)], extra) as daemon:
+        options = [("grpc.http2.bdp_probe", 0)]
+        channels = [grpc.insecure_channel(daemon.target, options=options) for _ in range(LIMIT)]
+        request = pb.FetchRequest(layout=pb.Layout(tp_size=1, tp_rank=0), max_chunk_bytes=16 << 10)
+        calls = [pb_grpc.WeightsStub(c).Fetch(request, timeout=120) for c in channels]
+        for call in calls:
+            next(call)  # each holds one of the LIMIT slots, blocked on flow control
+        with (
+            WeightClient(daemon.target, timeout=60) as plain,
+            pytest.raises(ResourceExhaustedError),
+        ):
+            plain.fetch(0, 2, transport="grpc")
+        policy = RetryPolicy(initial_backoff=0.05, max_backoff=0.2, total_seconds=60)
+        with WeightClient(daemon.target, timeout=60, retry=policy) as patient:
+            release = threading.Timer(1.0, lambda: [c.cancel() for c in calls])
+            release.start()
+            state = patient.fetch(0, 2, transport="grpc")
+            release.join()
+            assert patient.retry_stats.retries["RESOURCE_EXHAUSTED"] >= 2, patient.retry_stats
+            assert set(patient.retry_stats.retries) == {"RESOURCE_EXHAUSTED"}
+            assert patient.retry_stats.waited_seconds >= 0.5
+        for channel in channels:
+            channel.close()
+    assert state and not mismatch(state, reference_slices(str(demo_model), 2, 0))
