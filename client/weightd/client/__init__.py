@@ -7,6 +7,7 @@ needs none of the daemon's dependencies.
 from .admin import AdminClient, ReloadResult
 from .client import ModelDescription, ModelInfo, TensorInfo, WeightClient
 from .errors import (
+    AbortedError,
     DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -19,10 +20,13 @@ from .errors import (
     WeightdError,
 )
 from .layout import Layout
+from .resumable import ResumeReport
+from .retry import RetryPolicy, RetryStats
 from .tls import tls_credentials
 from .transports import FetchInfo, PackRef, TransportFailure
 
 __all__ = [
+    "AbortedError",
     "AdminClient",
     "DataLossError",
     "DeadlineExceededError",
@@ -37,6 +41,9 @@ __all__ = [
     "PermissionDeniedError",
     "ReloadResult",
     "ResourceExhaustedError",
+    "ResumeReport",
+    "RetryPolicy",
+    "RetryStats",
     "TensorInfo",
     "TransportFailure",
     "UnauthenticatedError",

@@ -18,25 +18,26 @@ returns; a tensor whose digest does not match is never handed out.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
 
-from weightd.common.digests import slice_digest
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .adapters import AdapterWatch, AdapterWeights, fetch_adapter_via
-from .dtypes import torch_dtype
-from .errors import DataLossError, InvalidArgumentError, WeightdError, from_rpc_error
+from .errors import InvalidArgumentError, from_rpc_error
 from .layout import Layout
 from .local_fetch import attach_local, negotiated_fetch
+from .receive import ProgressFn, receive_all
+from .resumable import ResumeReport, fetch_resumable
+from .retry import RetryPolicy, RetryStats, call_with_retry
 from .transports import FetchInfo, PackRef, Transport
+
+T = TypeVar("T")
 
 #: Largest message the client accepts: the daemon caps tensor payload at 4 MiB per
 #: message; the rest is headroom for headers of many small tensors sharing a message.
@@ -71,51 +72,6 @@ class ModelDescription:
     tensors: tuple[TensorInfo, ...]
 
 
-class _Incoming:
-    """One tensor being received: its final storage, a write cursor and a running hash."""
-
-    __slots__ = ("address", "hasher", "name", "nbytes", "received", "tensor")
-
-    def __init__(self, header: pb.SliceHeader) -> None:
-        self.name = header.name
-        dtype, shape = torch_dtype(header.dtype, tuple(header.shape))
-        self.tensor = torch.empty(shape, dtype=dtype)
-        self.nbytes = header.nbytes
-        actual = self.tensor.numel() * self.tensor.element_size()
-        if actual != self.nbytes:
-            raise DataLossError(
-                f"tensor {self.name!r}: header says {self.nbytes} bytes, "
-                f"{header.dtype} {list(header.shape)} holds {actual}"
-            )
-        self.address = self.tensor.data_ptr()
-        self.received = 0
-        self.hasher = hashlib.sha256()
-
-    def write(self, chunk: pb.TensorChunk) -> None:
-        data = chunk.data
-        if chunk.offset != self.received or self.received + len(data) > self.nbytes:
-            raise DataLossError(
-                f"tensor {self.name!r}: chunk at offset {chunk.offset} (+{len(data)}) does not "
-                f"follow the {self.received} of {self.nbytes} bytes received"
-            )
-        if data:
-            ctypes.memmove(self.address + self.received, data, len(data))
-            self.hasher.update(data)
-        self.received += len(data)
-
-    def finish(self, digest: str) -> torch.Tensor:
-        if self.received != self.nbytes:
-            raise DataLossError(
-                f"tensor {self.name!r}: digest arrived after {self.received} of {self.nbytes} bytes"
-            )
-        actual = slice_digest(self.hasher)
-        if actual != digest:
-            raise DataLossError(
-                f"tensor {self.name!r}: received bytes hash to {actual}, the daemon sent {digest}"
-            )
-        return self.tensor
-
-
 def receive_slices(
     stream: Any, first: list[pb.FetchResponse] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -124,44 +80,7 @@ def receive_slices(
     ``first``, when given (empty), receives the stream's first message (FetchAdapter
     names the adapter version there).
     """
-    out: dict[str, torch.Tensor] = {}
-    incoming: list[_Incoming] = []
-    done: pb.FetchDone | None = None
-    try:
-        for response in stream:
-            if first is not None and not first:
-                first.append(response)
-            if done is not None:
-                raise DataLossError("the daemon sent data after closing the stream")
-            for chunk in response.chunks:
-                if chunk.HasField("header"):
-                    if chunk.index != len(incoming):
-                        raise DataLossError(
-                            f"tensor header {chunk.index} arrived after {len(incoming)} headers"
-                        )
-                    incoming.append(_Incoming(chunk.header))
-                elif chunk.index >= len(incoming):
-                    raise DataLossError(f"chunk for tensor {chunk.index} arrived before its header")
-                item = incoming[chunk.index]
-                item.write(chunk)
-                if chunk.digest:
-                    if item.name in out:
-                        raise DataLossError(f"tensor {item.name!r} was sent twice")
-                    out[item.name] = item.finish(chunk.digest)
-            if response.HasField("done"):
-                done = response.done
-    except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from None
-    except WeightdError:
-        stream.cancel()
-        raise
-    if done is None:
-        raise DataLossError("the stream ended before the daemon marked it complete")
-    if done.num_tensors != len(out) or len(incoming) != len(out):
-        raise DataLossError(
-            f"the daemon announced {done.num_tensors} tensors; {len(out)} arrived complete"
-        )
-    return out
+    return receive_all(stream, first)
 
 
 class WeightClient:
@@ -170,6 +89,12 @@ class WeightClient:
     ``target`` is any gRPC target string: ``unix:///run/weightd/weightd.sock``,
     ``localhost:7070``, ``dns:///host:7070``. ``timeout`` bounds each call in seconds.
     Pass ``credentials`` (``grpc.ssl_channel_credentials(...)``) for TLS.
+
+    ``retry`` (a :class:`~weightd.client.retry.RetryPolicy`; None: no retries) retries
+    calls refused with RESOURCE_EXHAUSTED or UNAVAILABLE, with exponential backoff and
+    jitter, for a bounded time; a gRPC fetch cut short resumes from its last complete
+    tensor. What retrying cost is in :attr:`retry_stats` and :attr:`last_resume`.
+    ``on_tensor(index, name)`` is called after each tensor a gRPC fetch completed.
     """
 
     #: How the latest fetch was served (also returned by :meth:`fetch_with_info`).
@@ -183,11 +108,20 @@ class WeightClient:
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
         chunk_bytes: int = 0,
+        retry: RetryPolicy | None = None,
+        on_tensor: ProgressFn | None = None,
     ) -> None:
-        opts = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            *options,
-        ]
+        opts: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        if retry is not None:
+            # gRPC's own reconnect backoff grows to 2 minutes; a restarted daemon must be
+            # found again within the policy's backoff instead.
+            reconnect_ms = int(retry.max_backoff * 1000)
+            opts += [
+                ("grpc.initial_reconnect_backoff_ms", int(retry.initial_backoff * 1000) or 1),
+                ("grpc.min_reconnect_backoff_ms", int(retry.initial_backoff * 1000) or 1),
+                ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+            ]
+        opts += options
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=opts)
         else:
@@ -196,6 +130,15 @@ class WeightClient:
         self.target = target
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
+        self.retry = retry
+        self.on_tensor = on_tensor
+        #: Retries made so far, by code, and the time spent waiting.
+        self.retry_stats = RetryStats()
+        #: How the latest gRPC fetch went: streams, resumes, bytes sent again.
+        self.last_resume: ResumeReport | None = None
+
+    def _retried(self, fn: Callable[[], T]) -> T:
+        return call_with_retry(fn, self.retry, self.retry_stats)
 
     def close(self) -> None:
         self._channel.close()
@@ -244,22 +187,32 @@ class WeightClient:
         return AdapterWatch(self._stub, timeout)
 
     def list_models(self) -> list[ModelInfo]:
-        try:
-            reply = self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+        def call() -> pb.ListModelsResponse:
+            try:
+                reply: pb.ListModelsResponse = self._stub.ListModels(
+                    pb.ListModelsRequest(), timeout=self.timeout
+                )
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from None
+            return reply
+
+        reply = self._retried(call)
         return [
             ModelInfo(m.name, m.architecture, m.total_bytes, m.num_tensors, m.ready)
             for m in reply.models
         ]
 
     def describe(self, model: str | None = None) -> ModelDescription:
-        try:
-            d = self._stub.DescribeModel(
-                pb.DescribeModelRequest(model=model or ""), timeout=self.timeout
-            )
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+        def call() -> pb.ModelDescription:
+            try:
+                reply: pb.ModelDescription = self._stub.DescribeModel(
+                    pb.DescribeModelRequest(model=model or ""), timeout=self.timeout
+                )
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from None
+            return reply
+
+        d = self._retried(call)
         return ModelDescription(
             d.name,
             d.architecture,
@@ -328,21 +281,28 @@ class WeightClient:
                 f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
             )
         wanted = list(names or ())
-        state, info = negotiated_fetch(
-            self.target,
-            transport,
-            lambda: self._fetch_grpc(
-                Layout(tp_size=world_size, tp_rank=rank), model=model, names=wanted
-            ),
-            model=model or "",
-            world_size=world_size,
-            rank=rank,
-            names=wanted,
-            device=torch.device(device),
-            copy=copy,
-            verify=verify,
-            timeout=self.timeout,
-        )
+
+        def negotiate() -> tuple[dict[str, torch.Tensor], FetchInfo]:
+            return negotiated_fetch(
+                self.target,
+                transport,
+                lambda: self._fetch_grpc(
+                    Layout(tp_size=world_size, tp_rank=rank), model=model, names=wanted
+                ),
+                model=model or "",
+                world_size=world_size,
+                rank=rank,
+                names=wanted,
+                device=torch.device(device),
+                copy=copy,
+                verify=verify,
+                timeout=self.timeout,
+            )
+
+        # The gRPC path retries (and resumes) by itself; only an explicit same-host
+        # transport, which never falls back to gRPC, is retried as a whole.
+        local_only = transport in ("shm", "cuda_ipc")
+        state, info = self._retried(negotiate) if local_only else negotiate()
         self.last_fetch = info
         return state, info
 
@@ -411,7 +371,17 @@ class WeightClient:
             names=list(names or ()),
             max_chunk_bytes=self.chunk_bytes,
         )
-        return receive_slices(self._stub.Fetch(request, timeout=self.timeout))
+        report = ResumeReport()
+        self.last_resume = report
+        return fetch_resumable(
+            self._stub,
+            request,
+            timeout=self.timeout,
+            policy=self.retry,
+            stats=self.retry_stats,
+            report=report,
+            on_tensor=self.on_tensor,
+        )
 
     def load_into(
         self,

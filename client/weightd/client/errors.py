@@ -58,6 +58,12 @@ class DeadlineExceededError(WeightdError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class AbortedError(WeightdError):
+    """A resumed fetch named content the daemon no longer serves; fetch from the start."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class PermissionDeniedError(WeightdError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
@@ -78,6 +84,7 @@ _BY_CODE: dict[grpc.StatusCode, type[WeightdError]] = {
         DeadlineExceededError,
         PermissionDeniedError,
         UnauthenticatedError,
+        AbortedError,
     )
 }
 

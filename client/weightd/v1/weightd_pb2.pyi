@@ -397,10 +397,23 @@ class FetchRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     NAMES_FIELD_NUMBER: _builtins.int
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    START_INDEX_FIELD_NUMBER: _builtins.int
+    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """empty: the daemon's only model"""
     max_chunk_bytes: _builtins.int
     """0: the daemon's default (1 MiB); capped at 4 MiB"""
+    start_index: _builtins.int
+    """Resume: stream the rank's tensors from this position of its (deterministic) plan
+    order on; chunks keep their positions in the whole rank (TensorChunk.index), and
+    FetchDone still describes the whole rank. 0: from the start. Past the rank's
+    tensor count: INVALID_ARGUMENT.
+    """
+    model_fingerprint: _builtins.str
+    """The FetchResponse.model_fingerprint of the stream being resumed. When set and the
+    daemon now serves other content under that name, the call fails with ABORTED
+    (restart from index 0) rather than mixing two versions in one rank.
+    """
     @_builtins.property
     def layout(self) -> Global___Layout: ...
     @_builtins.property
@@ -414,10 +427,12 @@ class FetchRequest(_message.Message):
         layout: Global___Layout | None = ...,
         names: _abc.Iterable[_builtins.str] | None = ...,
         max_chunk_bytes: _builtins.int = ...,
+        start_index: _builtins.int = ...,
+        model_fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "max_chunk_bytes", b"max_chunk_bytes", "model", b"model", "names", b"names"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "max_chunk_bytes", b"max_chunk_bytes", "model", b"model", "model_fingerprint", b"model_fingerprint", "names", b"names", "start_index", b"start_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -536,6 +551,11 @@ class FetchResponse(_message.Message):
     CHUNKS_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
+    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    model_fingerprint: _builtins.str
+    """Fetch: set on the first message only. Identity of the served content (config and
+    every verified tensor digest); a resume names it in FetchRequest.model_fingerprint.
+    """
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChunk]:
         """small tensors share a message"""
@@ -554,10 +574,11 @@ class FetchResponse(_message.Message):
         chunks: _abc.Iterable[Global___TensorChunk] | None = ...,
         done: Global___FetchDone | None = ...,
         adapter: Global___AdapterInfo | None = ...,
+        model_fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "done", b"done"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chunks", b"chunks", "done", b"done"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chunks", b"chunks", "done", b"done", "model_fingerprint", b"model_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -343,6 +343,14 @@ class ModelNotReady(WeightdError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ModelChanged(WeightdError):
+    """A resumed fetch names content the daemon no longer serves (reloaded or restarted
+    on another checkpoint): the client must start again from the first tensor rather
+    than mix two versions in one rank."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class DataIntegrityError(WeightdError):
     """Bytes on disk no longer match what was verified (file truncated or rewritten).
 

@@ -18,6 +18,7 @@ from .adapters.rpc import Adapters
 from .errors import DataIntegrityError, NoAdapters, WeightdError, status_for
 from .layout import Layout
 from .models import LoadedModel, ModelRegistry
+from .resume import fingerprint, resume_start
 from .runs import RunPattern
 from .sharding import RankPlan, TensorSlice, peer_slices
 
@@ -153,7 +154,24 @@ class WeightsService(pb_grpc.WeightsServicer):
             plan = model.plan_layout(layout_of(request.layout), tuple(request.names))
             chunk = request.max_chunk_bytes or self.chunk_bytes
             chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, chunk))
-            yield from self._stream(model, plan, chunk, context)
+            served = fingerprint(model)
+            start = resume_start(
+                model.name,
+                request.start_index,
+                request.model_fingerprint,
+                served,
+                len(plan.slices),
+            )
+            if start:
+                log.info(
+                    "fetch resumed model=%s start_index=%d num_tensors=%d peer=%s",
+                    model.name,
+                    start,
+                    len(plan.slices),
+                    context.peer(),
+                )
+            yield pb.FetchResponse(model_fingerprint=served)
+            yield from self._stream(model, plan, chunk, context, start)
         except Exception as exc:
             if isinstance(exc, DataIntegrityError) and model is not None:
                 self.registry.mark_broken(model, str(exc))
@@ -177,11 +195,18 @@ class WeightsService(pb_grpc.WeightsServicer):
         return self._anchor(model, s, plan)
 
     def _stream(
-        self, model: LoadedModel, plan: RankPlan, chunk: int, context: grpc.ServicerContext
+        self,
+        model: LoadedModel,
+        plan: RankPlan,
+        chunk: int,
+        context: grpc.ServicerContext,
+        start: int = 0,
     ) -> Iterator[pb.FetchResponse]:
         pending: list[pb.TensorChunk] = []
         pending_bytes = 0
         for index, s in enumerate(plan.slices):
+            if index < start:
+                continue  # a resume: the client holds these already
             if not context.is_active():
                 return
             anchored = self._anchor(model, s, plan)

@@ -1,0 +1,177 @@
+"""Receiving a Fetch-format stream into final tensors, resumably.
+
+Each tensor is allocated once, at its final shape, when its header arrives, and
+every chunk is written straight into place; the SHA-256 of each slice is computed
+over the same chunk buffers and checked before the tensor counts as received.
+
+A :class:`RankReceiver` keeps what it received completely across streams. Tensors
+arrive in the rank's plan order, so what it holds is always a prefix of that order:
+when a stream is cut (the daemon restarted), the next stream asks for the rest with
+``start_index = next_index``, and only the tensor that was in flight is sent again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+import torch
+
+from weightd.common.digests import slice_digest
+from weightd.v1 import weightd_pb2 as pb
+
+from .dtypes import torch_dtype
+from .errors import DataLossError, WeightdError, from_rpc_error
+
+#: Called after each complete tensor with (its index in the rank, its name).
+ProgressFn = Callable[[int, str], None]
+
+
+class _Incoming:
+    """One tensor being received: its final storage, a write cursor and a running hash."""
+
+    __slots__ = ("address", "hasher", "name", "nbytes", "received", "tensor")
+
+    def __init__(self, header: pb.SliceHeader) -> None:
+        self.name = header.name
+        dtype, shape = torch_dtype(header.dtype, tuple(header.shape))
+        self.tensor = torch.empty(shape, dtype=dtype)
+        self.nbytes = header.nbytes
+        actual = self.tensor.numel() * self.tensor.element_size()
+        if actual != self.nbytes:
+            raise DataLossError(
+                f"tensor {self.name!r}: header says {self.nbytes} bytes, "
+                f"{header.dtype} {list(header.shape)} holds {actual}"
+            )
+        self.address = self.tensor.data_ptr()
+        self.received = 0
+        self.hasher = hashlib.sha256()
+
+    def write(self, chunk: pb.TensorChunk) -> None:
+        data = chunk.data
+        if chunk.offset != self.received or self.received + len(data) > self.nbytes:
+            raise DataLossError(
+                f"tensor {self.name!r}: chunk at offset {chunk.offset} (+{len(data)}) does not "
+                f"follow the {self.received} of {self.nbytes} bytes received"
+            )
+        if data:
+            ctypes.memmove(self.address + self.received, data, len(data))
+            self.hasher.update(data)
+        self.received += len(data)
+
+    def finish(self, digest: str) -> torch.Tensor:
+        if self.received != self.nbytes:
+            raise DataLossError(
+                f"tensor {self.name!r}: digest arrived after {self.received} of {self.nbytes} bytes"
+            )
+        actual = slice_digest(self.hasher)
+        if actual != digest:
+            raise DataLossError(
+                f"tensor {self.name!r}: received bytes hash to {actual}, the daemon sent {digest}"
+            )
+        return self.tensor
+
+
+class RankReceiver:
+    """The complete tensors of one rank, gathered from one stream or several."""
+
+    def __init__(self, on_tensor: ProgressFn | None = None) -> None:
+        self.on_tensor = on_tensor
+        self.tensors: dict[str, torch.Tensor] = {}
+        #: The model content the tensors came from (FetchResponse.model_fingerprint).
+        self.fingerprint = ""
+        #: The first message of the latest stream (FetchAdapter names its version there).
+        self.first: pb.FetchResponse | None = None
+        #: Payload bytes received, and those thrown away with a tensor left incomplete.
+        self.received_bytes = 0
+        self.discarded_bytes = 0
+
+    @property
+    def next_index(self) -> int:
+        """Where the next stream starts: every tensor before it is held, checked."""
+        return len(self.tensors)
+
+    def reset(self) -> None:
+        """Forget everything (the daemon's content changed): the next stream starts at 0."""
+        self.discarded_bytes += total_bytes(self.tensors.values())
+        self.tensors = {}
+        self.fingerprint = ""
+
+    def consume(self, stream: Any) -> None:
+        """Read one stream, starting at :attr:`next_index`, to its ``done`` message.
+
+        Raises a :class:`~weightd.client.errors.WeightdError`; the tensors completed
+        before the failure are kept, the one in flight is dropped.
+        """
+        current: _Incoming | None = None
+        done: pb.FetchDone | None = None
+        self.first = None
+        try:
+            for response in stream:
+                if self.first is None:
+                    self.first = response
+                if done is not None:
+                    raise DataLossError("the daemon sent data after closing the stream")
+                if response.model_fingerprint:
+                    self.fingerprint = response.model_fingerprint
+                for chunk in response.chunks:
+                    current = self._chunk(chunk, current)
+                if response.HasField("done"):
+                    done = response.done
+        except grpc.RpcError as exc:
+            if current is not None:
+                self.discarded_bytes += current.received
+            raise from_rpc_error(exc) from None
+        except WeightdError:
+            stream.cancel()
+            raise
+        if done is None:
+            raise DataLossError("the stream ended before the daemon marked it complete")
+        if current is not None or done.num_tensors != len(self.tensors):
+            raise DataLossError(
+                f"the daemon announced {done.num_tensors} tensors; "
+                f"{len(self.tensors)} arrived complete"
+            )
+
+    def _chunk(self, chunk: pb.TensorChunk, current: _Incoming | None) -> _Incoming | None:
+        """Apply one chunk; the tensor still in flight afterwards (None: none)."""
+        if chunk.index != self.next_index:
+            raise DataLossError(
+                f"chunk for tensor {chunk.index} arrived while tensor {self.next_index} was due"
+            )
+        if chunk.HasField("header"):
+            if current is not None:
+                raise DataLossError(
+                    f"tensor header {chunk.index} arrived before {current.name!r} was complete"
+                )
+            current = _Incoming(chunk.header)
+        elif current is None:
+            raise DataLossError(f"chunk for tensor {chunk.index} arrived before its header")
+        current.write(chunk)
+        self.received_bytes += len(chunk.data)
+        if not chunk.digest:
+            return current
+        if current.name in self.tensors:
+            raise DataLossError(f"tensor {current.name!r} was sent twice")
+        self.tensors[current.name] = current.finish(chunk.digest)
+        if self.on_tensor is not None:
+            self.on_tensor(chunk.index, current.name)
+        return None
+
+
+def receive_all(
+    stream: Any, first: list[pb.FetchResponse] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every slice of one Fetch-format stream, digest-checked; never a partial result."""
+    receiver = RankReceiver()
+    receiver.consume(stream)
+    if first is not None and receiver.first is not None:
+        first.append(receiver.first)
+    return dict(receiver.tensors)
+
+
+def total_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,73 @@
+"""A gRPC fetch that survives a daemon restart: retried, and resumed where it was cut.
+
+Each attempt asks for the tensors not yet held (``start_index``) and names the content
+they came from (``model_fingerprint``). A daemon that now serves other content answers
+ABORTED: the client then drops what it held and starts again from tensor 0, once per
+attempt, so a rank is never assembled from two versions. What a fetch cost is in
+:class:`ResumeReport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightd.v1 import weightd_pb2 as pb
+
+from .errors import AbortedError, WeightdError
+from .receive import ProgressFn, RankReceiver
+from .retry import RetryPolicy, RetryStats, call_with_retry
+
+
+@dataclass
+class ResumeReport:
+    """How one fetch went over gRPC."""
+
+    streams: int = 0  # Fetch calls made (1: nothing was cut)
+    resumed_at: list[int] = field(default_factory=list)  # start_index of each resume
+    restarts: int = 0  # resumes refused because the content changed (ABORTED)
+    received_bytes: int = 0  # payload bytes that arrived, including any sent twice
+    resent_bytes: int = 0  # payload bytes thrown away and sent again
+
+
+def fetch_resumable(
+    stub: Any,
+    request: pb.FetchRequest,
+    *,
+    timeout: float | None,
+    policy: RetryPolicy | None,
+    stats: RetryStats,
+    report: ResumeReport,
+    on_tensor: ProgressFn | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``request``'s rank, digest-checked, resumed across failures."""
+    receiver = RankReceiver(on_tensor)
+
+    def stream_once() -> None:
+        ask = pb.FetchRequest()
+        ask.CopyFrom(request)
+        ask.start_index = receiver.next_index
+        if receiver.next_index:
+            ask.model_fingerprint = receiver.fingerprint
+            report.resumed_at.append(receiver.next_index)
+        report.streams += 1
+        receiver.consume(stub.Fetch(ask, timeout=timeout))
+
+    def attempt() -> None:
+        try:
+            stream_once()
+        except WeightdError as exc:
+            if not isinstance(exc, AbortedError) or not receiver.next_index:
+                raise
+            receiver.reset()  # the content changed: never mix versions
+            report.restarts += 1
+            stream_once()
+
+    try:
+        call_with_retry(attempt, policy, stats, progress=lambda: receiver.next_index)
+    finally:
+        report.received_bytes = receiver.received_bytes
+        report.resent_bytes = receiver.discarded_bytes
+    return dict(receiver.tensors)
