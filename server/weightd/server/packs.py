@@ -134,10 +134,11 @@ def build_host_pack(model: LoadedModel, plan: RankPlan, anchor: AnchorFn, label:
     digests = [anchor(model, s, plan) for s in plan.slices]
     fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, size)
         try:
-            # Allocate every page now: a shortage is an error here, not SIGBUS or the OOM
-            # killer on first touch (PITFALLS: /dev/shm and shmem fill up silently).
+            # Size it (a file-size limit refuses that: EFBIG) and allocate every page now:
+            # a shortage is an error here, not SIGBUS or the OOM killer on first touch
+            # (PITFALLS: /dev/shm and shmem fill up silently).
+            os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
             raise PackMemoryExhausted(
