@@ -108,9 +108,12 @@ class ShardWatcher:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop watching. Waits a little for a pass in progress; a re-verification of a
+        large model can take minutes, and shutdown must not wait for it (the thread is a
+        daemon thread, and what it would publish no longer matters)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
