@@ -20,7 +20,7 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {d.device_count()}
 PY
 start=$(date +%s)
 echo "== GPU tests"
-timeout 270 "$PY" -m pytest -m gpu tests/gpu tests/adapters/test_adapter_cuda_ipc.py -v -s -p no:cacheprovider
+timeout 270 "$PY" -m pytest -m gpu tests/gpu tests/adapters/test_adapter_cuda_ipc.py tests/reliability/test_resources.py -v -s -p no:cacheprovider
 echo "== GPU benchmark"
 timeout 180 "$PY" bench/gpu_bench.py --repeat 3
 echo "== done in $(( $(date +%s) - start )) s"

@@ -51,6 +51,10 @@ class ModelInfo:
     total_bytes: int
     num_tensors: int
     ready: bool
+    #: "loading", "ready", "stale" (still serving its verified files, replaced on disk)
+    #: or "broken"; "" from a daemon that predates the field.
+    state: str = ""
+    reason: str = ""  # why, when not ready: names the file and what changed
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,9 @@ class WeightClient:
 
         reply = self._retried(call)
         return [
-            ModelInfo(m.name, m.architecture, m.total_bytes, m.num_tensors, m.ready)
+            ModelInfo(
+                m.name, m.architecture, m.total_bytes, m.num_tensors, m.ready, m.state, m.reason
+            )
             for m in reply.models
         ]
 

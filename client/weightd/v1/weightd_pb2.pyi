@@ -200,6 +200,8 @@ class ModelSummary(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     NUM_TENSORS_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     architecture: _builtins.str
     """config.json "architectures"[0], or "" when absent"""
@@ -208,6 +210,12 @@ class ModelSummary(_message.Message):
     num_tensors: _builtins.int
     ready: _builtins.bool
     """verified and open"""
+    state: _builtins.str
+    """"loading", "ready", "stale" (serving its verified files, which"""
+    reason: _builtins.str
+    """were replaced or removed on disk) or "broken" (serving nothing)
+    why, when not "ready": names the file and what changed
+    """
     def __init__(
         self,
         *,
@@ -216,10 +224,12 @@ class ModelSummary(_message.Message):
         total_bytes: _builtins.int = ...,
         num_tensors: _builtins.int = ...,
         ready: _builtins.bool = ...,
+        state: _builtins.str = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "name", b"name", "num_tensors", b"num_tensors", "ready", b"ready", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "name", b"name", "num_tensors", b"num_tensors", "ready", b"ready", "reason", b"reason", "state", b"state", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -68,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="bytes of adapters held at once; unleased, unpinned ones are evicted LRU",
     )
+    s.add_argument(
+        "--watch-interval",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="check every served shard file this often: a changed one is reported, a "
+        "chmod re-verified, a good file renamed into place restored (0: off)",
+    )
     s.add_argument("--max-workers", type=int, default=16, help="RPC worker threads")
     s.add_argument(
         "--max-concurrent-rpcs", type=int, default=64, help="beyond this, RESOURCE_EXHAUSTED"
@@ -271,6 +279,7 @@ def _serve(args: argparse.Namespace) -> int:
         verify=verify,
         local=from_arguments(args),
         adapter_roots=args.adapter_roots,
+        watch_seconds=args.watch_interval,
         adapter_budget_bytes=args.adapter_budget_bytes,
     )
     return serve(config)
@@ -303,6 +312,8 @@ def _list(args: argparse.Namespace) -> int:
     with WeightClient(args.target, credentials=_credentials(args)) as client:
         for m in client.list_models():
             state = "ready" if m.ready else "not ready"
+            if m.state and m.state not in ("ready", "loading"):
+                state = f"{m.state}: {m.reason}"
             size = f"{m.num_tensors} tensors\t{m.total_bytes} bytes"
             print(f"{m.name}\t{m.architecture}\t{size}\t{state}")
     return 0

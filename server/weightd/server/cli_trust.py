@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from typing import TYPE_CHECKING, Any, Final
 
 from .errors import CheckpointError, WeightdError
@@ -211,18 +210,9 @@ def _write_output(path: str | None, text: str) -> None:
     if path is None:
         sys.stdout.write(text)
         return
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from .atomicio import write_atomic
+
+    write_atomic(path, text.encode(), mode=0o644)  # a full disk: one line, old file kept
 
 
 def run_manifest(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from .adapters.metrics import AdapterBudgetCollector
-from .models import LoadedModel, ModelRegistry
+from .models import MODEL_STATES, LoadedModel, ModelRegistry
 from .residency import ResidencyUnavailable, resident_bytes
 from .store import FileIdentity
 
@@ -102,6 +102,36 @@ class ModelCollector:
             total_mapped += mapped
             total_resident += resident
         return total_mapped, total_resident
+
+
+class ModelStateCollector:
+    """``weightd_model_state{model,state}``: 1 for the model's state, 0 for the others.
+
+    States: loading, ready, stale (serving its verified files, which were since replaced
+    or removed on disk), broken (serving nothing until restored or reloaded). The
+    reason is in ListModels and the log, never in a label (unbounded text).
+    """
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self._registry = registry
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "weightd_model_state",
+            "1 for the model's current state (loading, ready, stale, broken), 0 for the others.",
+            labels=["model", "state"],
+        )
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for name in self._registry.names():
+            state, _ = self._registry.state(name)
+            for candidate in MODEL_STATES:
+                family.add_metric([name, candidate], 1.0 if candidate == state else 0.0)
+        yield family
 
 
 def _loaded_torch() -> ModuleType | None:

@@ -25,11 +25,13 @@ from .adapters.rpc import Adapters
 from .collectors import (
     GpuMemoryCollector,
     ModelCollector,
+    ModelStateCollector,
     PinnedMemoryCollector,
     PinnedState,
     ShmPackCollector,
     ShmPackState,
 )
+from .filewatch import DEFAULT_INTERVAL_SECONDS, ShardWatcher
 from .guards import AdminGate, FetchGuard, StreamWatchdog
 from .interceptors import InflightTracker, RpcObserver
 from .listen import Address, ListenError, parse_address, prepare_unix_socket
@@ -98,6 +100,8 @@ class ServeConfig:
     adapter_roots: list[str] = field(default_factory=list)
     #: Bytes of adapters held at once; unleased, unpinned ones are evicted LRU to fit.
     adapter_budget_bytes: int | None = None
+    #: Seconds between two checks of every served shard by the file watcher (0: off).
+    watch_seconds: float = DEFAULT_INTERVAL_SECONDS
 
 
 @dataclass
@@ -130,6 +134,9 @@ class Daemon:
     #: The same-host side socket (shared-memory packs, CUDA IPC), on Unix listeners.
     local: LocalServer | None = None
 
+    #: Notices changed shard files, re-verifies and restores (``--watch-interval``).
+    watcher: ShardWatcher | None = None
+
     @property
     def target(self) -> str:
         return self.address.grpc_target
@@ -161,6 +168,8 @@ class Daemon:
 
     def close(self) -> None:
         """Release everything but the (already stopped) gRPC servers."""
+        if self.watcher is not None:
+            self.watcher.close()  # first: it reads the stores the registry closes
         if self.adapters is not None:
             self.adapters.close()
         if self.local is not None:
@@ -219,6 +228,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     if metrics_registry is not None:
         metrics = Metrics.create(metrics_registry, version=listeners.version())
         metrics_registry.register(ModelCollector(registry, metrics.scrape_errors))
+        metrics_registry.register(ModelStateCollector(registry))
         metrics_registry.register(GpuMemoryCollector())
     tracker = InflightTracker()
     observer = RpcObserver(metrics, tracker, listeners.model_resolver(registry))
@@ -267,6 +277,10 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             sources={n or os.path.basename(os.path.realpath(d)): d for n, d in config.models},
             options=config.verify,
         )
+        if config.watch_seconds > 0:
+            daemon.watcher = ShardWatcher(
+                registry, daemon.reloader, config.watch_seconds, metrics_registry
+            )
         daemon.address = listeners.bind(server, address, tls, "worker")
         if address.kind == "unix" and config.local.enabled:
             daemon.local = start_local_server(
@@ -304,6 +318,8 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     for status_name in ("", WEIGHTS_SERVICE):
         health_servicer.set(status_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     registry.on_change(daemon.set_serving)
+    if daemon.watcher is not None:
+        daemon.watcher.start()
     for s in daemon.grpc_servers:
         s.start()
     listeners.log_listening(daemon)

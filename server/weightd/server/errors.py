@@ -391,6 +391,30 @@ class StreamTimeLimit(WeightdError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+# --- files weightd writes ------------------------------------------------------------
+
+
+class OutputWriteError(WeightdError):
+    """A file weightd writes (a manifest, a key, the hash cache) could not be written whole.
+
+    Writes go to a temporary file beside the target, are fsynced and renamed into place,
+    so the previous file (if any) is untouched and nothing half-written is left behind.
+    """
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"cannot write {path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class StorageFullError(OutputWriteError):
+    """The file system is full, a quota or a file-size limit was hit (ENOSPC, EDQUOT, EFBIG)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 # --- access -------------------------------------------------------------------------
 
 

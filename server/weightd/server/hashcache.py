@@ -21,16 +21,16 @@ is still re-hashed against its digest the first time a layout needs it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .atomicio import write_atomic
+from .errors import OutputWriteError
 from .hashing import ShardDigests, TensorRange
 from .store import FileIdentity
 
@@ -143,25 +143,13 @@ class HashCache:
         doc = {"version": CACHE_VERSION, "root": self.model_root, "shards": current}
         try:
             _write_atomic(self.directory, self.path, json.dumps(doc).encode())
-        except OSError as exc:
+        except OSError as exc:  # the directory itself
             log.warning("cannot write hash cache %s: %s", self.path, exc.strerror or exc)
+        except OutputWriteError as exc:
+            # Serving goes on: the cache only saves hashing at the next start.
+            log.warning("%s; serving continues, the next start hashes again", exc)
 
 
 def _write_atomic(directory: str, path: str, data: bytes) -> None:
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".hashes-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    write_atomic(path, data, mode=0o600)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from concurrent.futures import Future
 from typing import Final
 
@@ -35,16 +35,25 @@ BLOCK_BYTES: Final = 16 << 20
 
 
 def hash_checkpoint(
-    ckpt: Checkpoint, store: ShardStore, threads: int | None = None
+    ckpt: Checkpoint,
+    store: ShardStore,
+    threads: int | None = None,
+    *,
+    only: Collection[str] | None = None,
+    check: Callable[[str], None] | None = None,
 ) -> dict[str, str]:
     """BLAKE3 of every tensor of an open checkpoint (no file SHA-256).
 
     The same single pass per shard that verification uses (:mod:`.hashing`), for
-    callers that hold a checkpoint and its store rather than a directory.
+    callers that hold a checkpoint and its store rather than a directory. ``only``
+    limits it to those shards; ``check(shard)`` runs after each shard's pass
+    (default: the store's serving check).
     """
-    ranges: dict[str, list[TensorRange]] = {s: [] for s in ckpt.shards}
+    after = check or store.check
+    ranges: dict[str, list[TensorRange]] = {s: [] for s in ckpt.shards if only is None or s in only}
     for t in ckpt.tensors.values():
-        ranges[t.shard].append(TensorRange(t.name, t.offset, t.nbytes))
+        if t.shard in ranges:
+            ranges[t.shard].append(TensorRange(t.name, t.offset, t.nbytes))
     jobs = [
         ShardJob(
             shard,
@@ -53,7 +62,7 @@ def hash_checkpoint(
             store.shard(shard).identity.size,
             tuple(sorted(rs, key=lambda r: r.offset)),
             sha256=False,
-            check=functools.partial(store.check, shard),
+            check=functools.partial(after, shard),
         )
         for shard, rs in ranges.items()
     ]

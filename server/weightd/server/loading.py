@@ -12,10 +12,11 @@ reconciled with a registry-native ``ModelRegistry.reload(name)`` when that lands
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import logs
@@ -118,17 +119,27 @@ class Reloader:
             raise ModelNotReady(f"model {name!r} is still being verified; reload it afterwards")
         raise ModelNotFound(f"model {name!r} is not served here (serving: {', '.join(every)})")
 
+    @contextlib.contextmanager
+    def exclusive(self, name: str) -> Iterator[None]:
+        """Hold ``name``'s reload lock, so that nothing else reloads it meanwhile (the file
+        watcher's restore takes it too, and never races an admin reload)."""
+        with self._guard:
+            lock = self._locks.setdefault(name, threading.Lock())
+        with lock:
+            yield
+
+    def load_aside(self, model: LoadedModel) -> tuple[LoadedModel, float]:
+        """Load and verify ``model``'s directory again with its rules and the daemon's trust
+        options, publishing nothing; the caller publishes or closes the result."""
+        directory = self._sources.get(model.name, model.checkpoint.root)
+        return load_observed(directory, model.name, self._metrics, model.tables, self._options)
+
     def reload(self, name: str) -> ReloadResult:
         """Re-read and re-verify ``name`` from its directory; swap in only on success."""
         current = self._current(name)
-        with self._guard:
-            lock = self._locks.setdefault(current.name, threading.Lock())
-        with lock:
+        with self.exclusive(current.name):
             try:
-                directory = self._sources.get(current.name, current.checkpoint.root)
-                new, seconds = load_observed(
-                    directory, current.name, self._metrics, current.tables, self._options
-                )
+                new, seconds = self.load_aside(current)
             except Exception as exc:
                 if self._metrics is not None:
                     self._metrics.reloads.labels(current.name, "failed").inc()

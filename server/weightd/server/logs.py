@@ -23,6 +23,7 @@ log = logging.getLogger("weightd")
 #: log queries can rely on this list.
 EVENTS: Final = frozenset(
     {"start", "listening", "verified", "serving", "reload", "verify_failed", "drain", "exit"}
+    | {"file_changed", "restore"}  # the file watcher (filewatch.py)
 )
 
 _EVENT_ATTR: Final = "weightd_event"

@@ -40,6 +40,9 @@ class LoadedModel:
     file_digests: dict[str, FileDigest] = field(default_factory=dict)
     #: What the checkpoint was checked against (a signed manifest, cache blob names).
     trust: tuple[str, ...] = ()
+    #: Why the files on disk no longer hold this version (a shard replaced or removed),
+    #: while it keeps serving its verified, still-open files; None when they do.
+    stale: str | None = None
 
     @property
     def name(self) -> str:
@@ -58,6 +61,22 @@ class LoadedModel:
             if len(self._plans) < MAX_CACHED_PLANS:  # layouts are client-chosen: bound them
                 self._plans[layout] = found
         return found
+
+
+#: Every state :func:`model_state` reports (a bounded metric label).
+MODEL_STATES = ("loading", "ready", "stale", "broken")
+
+
+def model_state(model: LoadedModel | None, loading: bool) -> tuple[str, str]:
+    """(state, reason) of a registry entry (pure). Broken wins over stale: it serves nothing."""
+    if model is None:
+        return ("loading", "being verified") if loading else ("loading", "")
+    if model.broken is not None:
+        extra = f"; on disk: {model.stale}" if model.stale else ""
+        return "broken", model.broken + extra
+    if model.stale is not None:
+        return "stale", model.stale
+    return "ready", ""
 
 
 def load_model(
@@ -140,6 +159,27 @@ class ModelRegistry:
                 current = self._models.get(model.name) is model
             if current:  # a replaced version breaking does not affect its successor
                 self._notify(model.name, False)
+
+    def mark_stale(self, model: LoadedModel, reason: str) -> None:
+        """Record that ``model``'s files on disk differ from it; it keeps serving.
+
+        Serving goes on because every byte it hands out is still its verified one
+        (descriptors stay on the verified inodes); NOT_SERVING would take a host down
+        in the middle of the documented publish flow (rename new shards into place,
+        then reload). ListModels and ``weightd_model_state`` report it.
+        """
+        if model.stale != reason:
+            model.stale = reason
+            log.warning(
+                "model %s: files on disk differ from the served version: %s", model.name, reason
+            )
+
+    def state(self, name: str) -> tuple[str, str]:
+        """(state, reason) of ``name``: loading, ready, stale or broken, and why (pure read)."""
+        with self._lock:
+            model = self._models.get(name)
+            loading = name in self._loading
+        return model_state(model, loading)
 
     def names(self) -> list[str]:
         with self._lock:

@@ -154,10 +154,11 @@ def build_pack(
     offsets, size = layout_pack(slices)
     fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, size)
         try:
-            # Allocate every page now: a shortage is an error here, not SIGBUS or the OOM
-            # killer on first touch (PITFALLS: /dev/shm and shmem fill up silently).
+            # Size it (a file-size limit refuses that: EFBIG) and allocate every page now:
+            # a shortage is an error here, not SIGBUS or the OOM killer on first touch
+            # (PITFALLS: /dev/shm and shmem fill up silently).
+            os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
             raise PackMemoryExhausted(

@@ -110,8 +110,9 @@ class WeightsService(pb_grpc.WeightsServicer):
         out = pb.ListModelsResponse()
         for name in self.registry.names():
             m = loaded.get(name)
+            state, reason = self.registry.state(name)
             if m is None:
-                out.models.add(name=name, ready=False)
+                out.models.add(name=name, ready=False, state=state, reason=reason)
                 continue
             out.models.add(
                 name=name,
@@ -119,6 +120,8 @@ class WeightsService(pb_grpc.WeightsServicer):
                 total_bytes=m.checkpoint.total_bytes,
                 num_tensors=len(m.checkpoint.tensors),
                 ready=self.registry.is_ready(name),
+                state=state,
+                reason=reason,
             )
         return out
 

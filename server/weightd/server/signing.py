@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from .errors import (
     BadSignatureError,
     KeyFileError,
+    OutputWriteError,
     UnsignedManifestError,
     UntrustedKeyError,
 )
@@ -94,18 +95,18 @@ def load_private_key(path: str) -> Ed25519PrivateKey:
 
 
 def _write_new(path: str, data: bytes, mode: int) -> None:
-    """Create ``path`` exclusively with ``mode`` (a key is never silently replaced)."""
+    """Create ``path`` exclusively with ``mode`` (a key is never silently replaced), whole
+    or not at all (see :mod:`.atomicio`)."""
+    from .atomicio import write_atomic
+
+    if os.path.lexists(path):
+        raise KeyFileError(path, "already exists; refusing to overwrite a key")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    except FileExistsError:
-        raise KeyFileError(path, "already exists; refusing to overwrite a key") from None
-    except OSError as exc:
-        raise KeyFileError(path, f"cannot create: {exc.strerror}") from None
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        write_atomic(path, data, mode=mode, exclusive=True)
+    except OutputWriteError as exc:
+        if "already exists" in exc.problem:
+            raise KeyFileError(path, "already exists; refusing to overwrite a key") from None
+        raise
 
 
 def generate_keypair(private_path: str, public_path: str) -> str:
@@ -123,13 +124,17 @@ def generate_keypair(private_path: str, public_path: str) -> str:
         ),
         0o600,
     )
-    _write_new(
-        public_path,
-        public.public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        ),
-        0o644,
-    )
+    try:
+        _write_new(
+            public_path,
+            public.public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            ),
+            0o644,
+        )
+    except BaseException:
+        os.unlink(private_path)  # no half key pair: the private key alone is useless
+        raise
     return key_id(public)
 
 

@@ -5,8 +5,16 @@ with ``pread``/``preadv`` on descriptors opened at load time, never by touching 
 file mapping. A file truncated under us therefore gives a short read (an error we
 raise as DATA_LOSS), not SIGBUS. A file replaced by rename leaves our descriptor on
 the old inode, so we keep serving the verified bytes. A file rewritten in place
-changes its ctime, which :meth:`ShardStore.check` compares after every read, and its
-bytes no longer hash to the verified digests, which the service checks per slice.
+changes its size or mtime, which :meth:`ShardStore.check` compares after every read,
+and its bytes no longer hash to the verified digests, which the service checks per slice.
+
+Why ctime is not part of the serving check: ``chmod``, ``chown``, a new hard link or an
+xattr change ctime and nothing else, and must not take a healthy model down. A
+rewrite that restores its mtime (``utime``, the file owner can) is the one content
+change only ctime shows; every served byte is still compared with its verified
+digest, and the daemon's file watcher (:mod:`.filewatch`) re-hashes a shard whose
+ctime moved. Verification itself uses the strict :meth:`ShardStore.check_identical`,
+because the hash cache records the identity of the bytes it hashed.
 """
 
 from __future__ import annotations
@@ -44,6 +52,20 @@ class FileIdentity:
     @classmethod
     def of(cls, st: os.stat_result) -> FileIdentity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def content_change(was: FileIdentity, now: FileIdentity) -> str | None:
+    """How ``now`` shows the bytes of ``was`` may have changed, or None (pure).
+
+    Inode, size and mtime; a ctime-only change is metadata (see the module docstring).
+    """
+    if (now.dev, now.ino) != (was.dev, was.ino):
+        return f"it is another file now (inode {was.ino} -> {now.ino})"
+    if now.size != was.size:
+        return f"size changed from {was.size} to {now.size} bytes"
+    if now.mtime_ns != was.mtime_ns:
+        return "it was modified in place (mtime changed)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,26 +124,32 @@ class ShardStore:
     # --- integrity -----------------------------------------------------------------
 
     def check(self, name: str) -> None:
-        """Raise DataIntegrityError when the shard is no longer the file we verified."""
+        """Raise DataIntegrityError when the shard's content may have changed since verified.
+
+        Compares inode, size and mtime (see the module docstring for why not ctime).
+        """
+        shard = self._shards[name]
+        what = content_change(shard.identity, FileIdentity.of(os.fstat(shard.fd)))
+        if what is not None:
+            raise DataIntegrityError(f"shard {shard.path} changed since it was verified: {what}")
+
+    def check_identical(self, name: str) -> None:
+        """Raise DataIntegrityError unless ``fstat`` is exactly as when the shard was opened.
+
+        Used around hashing at load: digests recorded (in the hash cache too) under an
+        identity must describe exactly the bytes hashed, so ctime counts here.
+        """
         shard = self._shards[name]
         st = os.fstat(shard.fd)
         now = FileIdentity.of(st)
         if now != shard.identity:
             was = shard.identity
-            if st.st_nlink < shard.nlink and (now.dev, now.ino, now.size, now.mtime_ns) == (
-                was.dev,
-                was.ino,
-                was.size,
-                was.mtime_ns,
-            ):
+            if st.st_nlink < shard.nlink and content_change(was, now) is None:
                 # Unlinked (e.g. a new version renamed over the path): that changes the
                 # ctime of the inode we hold, not its bytes; they are still checked
                 # against their digests before they leave.
                 return
-            if now.size != was.size:
-                what = f"size changed from {was.size} to {now.size} bytes"
-            else:
-                what = "it was modified in place (ctime/mtime changed)"
+            what = content_change(was, now) or "its ctime changed (metadata or a rewrite)"
             raise DataIntegrityError(f"shard {shard.path} changed since it was verified: {what}")
 
     def _short(self, shard: OpenShard, offset: int, want: int, got: int) -> DataIntegrityError:

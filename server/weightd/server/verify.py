@@ -257,7 +257,7 @@ def _digests(
                 rs,
                 git_sha1=git,
                 sha256=need_sha256,
-                check=functools.partial(store.check, shard),
+                check=functools.partial(store.check_identical, shard),
             )
         )
     total = sum(j.size for j in jobs)

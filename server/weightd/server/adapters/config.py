@@ -80,10 +80,15 @@ class AdapterConfig:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
 
+def _anchored(key: str) -> str:
+    """PEFT's expression for a ``rank_pattern``/``alpha_pattern`` key."""
+    return rf"(.*\.)?({key})$"
+
+
 def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
     """PEFT's rule: the first pattern key matching the end of the module name wins."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        if re.match(_anchored(key), module):
             return value
     return default
 
@@ -102,6 +107,18 @@ def _rank(path: str, field: str, value: Any) -> int:
     return value
 
 
+def _regex(path: str, what: str, pattern: str) -> None:
+    """Compile ``pattern`` exactly as it will be used, or say why not, naming the field.
+
+    ``re`` raises OverflowError (a repeat count over 2**32) and RecursionError (deep
+    nesting) besides re.error; all three are a bad config, never a crash of the load.
+    """
+    try:
+        re.compile(pattern)
+    except (re.error, OverflowError, RecursionError) as exc:
+        raise AdapterConfigError(path, f"{what} is not a regex: {exc}") from None
+
+
 def _patterns(path: str, field: str, value: Any, item: Any) -> dict[str, Any]:
     if value is None:
         return {}
@@ -109,12 +126,9 @@ def _patterns(path: str, field: str, value: Any, item: Any) -> dict[str, Any]:
         raise AdapterConfigError(path, f"field {field!r} must be an object, got {value!r}")
     out: dict[str, Any] = {}
     for key, v in value.items():
-        try:
-            re.compile(key)
-        except re.error as exc:
-            raise AdapterConfigError(
-                path, f"field {field!r}: key {key!r} is not a regex: {exc}"
-            ) from None
+        # Checked inside the expression PEFT (and _pattern_value) builds around it: a key
+        # like "(?i)x" compiles alone, but not where its global flag would land.
+        _regex(path, f"field {field!r}: key {key!r}", _anchored(key))
         out[key] = item(path, f"{field}[{key!r}]", v)
     return out
 
@@ -146,12 +160,7 @@ def parse_adapter_config(path: str, raw: bytes) -> AdapterConfig:
                 "field 'target_modules' is 'all-linear': save the adapter with the "
                 "expanded module list PEFT resolved",
             )
-        try:
-            re.compile(raw_targets)
-        except re.error as exc:
-            raise AdapterConfigError(
-                path, f"field 'target_modules' is not a regex: {exc}"
-            ) from None
+        _regex(path, "field 'target_modules'", raw_targets)
         targets = raw_targets
     elif isinstance(raw_targets, list) and raw_targets:
         if not all(isinstance(t, str) and t for t in raw_targets):
