@@ -135,6 +135,38 @@ def test_admin_only_on_the_admin_listener_and_reload_swaps_only_on_success(
             assert len(client.fetch(1, 2)) > 0
 
 
+def test_resumes_are_counted_by_outcome(tmp_path: Path, demo_model: Path) -> None:
+    """A resume that is served and one refused (other content) each move their series."""
+    with daemon_in_process(tmp_path, [("llama", str(demo_model))]) as (daemon, reg):
+        request = pb.FetchRequest(model="llama", layout=pb.Layout(tp_size=2, tp_rank=1))
+        with grpc.insecure_channel(daemon.target) as channel:
+            stub = pb_grpc.WeightsStub(channel)
+            whole = list(stub.Fetch(request, timeout=60))
+            served = whole[0].model_fingerprint
+            indices = {c.index for r in whole for c in r.chunks}
+            assert served and len(indices) > 3
+
+            resumed = pb.FetchRequest()
+            resumed.CopyFrom(request)
+            resumed.start_index, resumed.model_fingerprint = 3, served
+            rest = {c.index for r in stub.Fetch(resumed, timeout=60) for c in r.chunks}
+            assert rest == {i for i in indices if i >= 3}
+
+            resumed.model_fingerprint = "0" * len(served)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Fetch(resumed, timeout=60))
+            assert refused.value.code() is grpc.StatusCode.ABORTED
+
+        def resumes(outcome: str) -> float | None:
+            return reg.get_sample_value(
+                "weightd_fetch_resumes_total", {"model": "llama", "outcome": outcome}
+            )
+
+        # The first, whole fetch (start_index 0) is not a resume.
+        assert resumes("resumed") == 1
+        assert resumes("refused") == 1
+
+
 def _raw_stub(target: str) -> tuple[grpc.Channel, pb_grpc.WeightsStub]:
     # No BDP probing: the receive window stays small, so an unread stream really stalls.
     channel = grpc.insecure_channel(target, options=[("grpc.http2.bdp_probe", 0)])

@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -211,3 +212,40 @@ def test_sigterm_drain_completes_the_stream_then_clients_retry_until_restart(
     _bit_exact(out2["state"], many_tensor_model)
     assert client.retry_stats.retries["UNAVAILABLE"] > retries_before, client.retry_stats
     client.close()
+
+
+def test_explicit_shared_memory_fetch_retries_until_the_daemon_is_back(
+    many_tensor_model: Path, tmp_path: Path
+) -> None:
+    """``transport="shm"`` never falls back to gRPC: the client retries the whole fetch."""
+    models = [("many", many_tensor_model)]
+    with run_daemon(tmp_path, models) as first:
+        target = first.target
+    assert first.process.returncode == 0  # drained and gone: no socket, no side socket
+    client = WeightClient(target, timeout=120, retry=POLICY)
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = client.fetch_with_info(RANK, WORLD, transport="shm", copy=True)
+        except Exception as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while client.retry_stats.retries["UNAVAILABLE"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.retry_stats.retries["UNAVAILABLE"] >= 1, (client.retry_stats, out)
+        assert thread.is_alive(), out  # still retrying, not given up
+        with run_daemon(tmp_path, models):
+            thread.join(180)
+            assert not thread.is_alive()
+    finally:
+        thread.join(1)
+        client.close()
+    assert "error" not in out, out.get("error")
+    state, info = out["result"]
+    assert info.transport == "shm", info
+    _bit_exact(state, many_tensor_model)

@@ -253,7 +253,12 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         adapters = Adapters(
             registry, AdapterRegistry(config.adapter_budget_bytes), config.adapter_roots
         )
-        service = WeightsService(registry, config.chunk_bytes, adapters)
+        service = WeightsService(
+            registry,
+            config.chunk_bytes,
+            adapters,
+            resumes=metrics.fetch_resumes if metrics is not None else None,
+        )
         pb_grpc.add_WeightsServicer_to_server(service, server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

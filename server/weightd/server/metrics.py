@@ -77,6 +77,7 @@ class Metrics:
     verify_failures: Counter
     reloads: Counter
     scrape_errors: Counter
+    fetch_resumes: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry, *, version: str = "") -> Metrics:
@@ -135,6 +136,13 @@ class Metrics:
                 "weightd_scrape_errors",
                 "Errors while computing a metric on scrape (the series is skipped), by collector.",
                 ["collector"],
+                registry=registry,
+            ),
+            fetch_resumes=Counter(
+                "weightd_fetch_resumes",
+                "Fetch streams asking to resume an interrupted fetch, by model and outcome "
+                "(resumed; refused: the content changed, the client starts again from 0).",
+                ["model", "outcome"],
                 registry=registry,
             ),
         )

@@ -9,13 +9,14 @@ from collections.abc import Callable, Iterator
 from typing import Final, TypeVar
 
 import grpc
+from prometheus_client import Counter
 
 from weightd.common.digests import slice_digest
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .adapters.rpc import Adapters
-from .errors import DataIntegrityError, NoAdapters, WeightdError, status_for
+from .errors import DataIntegrityError, ModelChanged, NoAdapters, WeightdError, status_for
 from .layout import Layout
 from .models import LoadedModel, ModelRegistry
 from .resume import fingerprint, resume_start
@@ -72,10 +73,13 @@ class WeightsService(pb_grpc.WeightsServicer):
         registry: ModelRegistry,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         adapters: Adapters | None = None,
+        resumes: Counter | None = None,
     ) -> None:
         self.registry = registry
         self.chunk_bytes = chunk_bytes
         self.adapters = adapters
+        #: ``weightd_fetch_resumes_total``: how often restarts cost clients a resume.
+        self.resumes = resumes
 
     def _adapters(self) -> Adapters:
         if self.adapters is None:
@@ -158,14 +162,19 @@ class WeightsService(pb_grpc.WeightsServicer):
             chunk = request.max_chunk_bytes or self.chunk_bytes
             chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, chunk))
             served = fingerprint(model)
-            start = resume_start(
-                model.name,
-                request.start_index,
-                request.model_fingerprint,
-                served,
-                len(plan.slices),
-            )
+            try:
+                start = resume_start(
+                    model.name,
+                    request.start_index,
+                    request.model_fingerprint,
+                    served,
+                    len(plan.slices),
+                )
+            except ModelChanged:
+                self._count_resume(model.name, "refused")
+                raise
             if start:
+                self._count_resume(model.name, "resumed")
                 log.info(
                     "fetch resumed model=%s start_index=%d num_tensors=%d peer=%s",
                     model.name,
@@ -181,6 +190,10 @@ class WeightsService(pb_grpc.WeightsServicer):
             if not isinstance(exc, WeightdError) and not context.is_active():
                 return  # the client went away mid-stream; nothing to report to anyone
             _abort(context, exc, "Fetch")
+
+    def _count_resume(self, model: str, outcome: str) -> None:
+        if self.resumes is not None:
+            self.resumes.labels(model, outcome).inc()
 
     def _anchor(self, model: LoadedModel, s: TensorSlice, plan: RankPlan) -> str:
         """The verified digest of ``s``: every peer slice of its cut, anchored together."""
