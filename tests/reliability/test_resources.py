@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -19,21 +20,25 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
+from bench.loadgen import reference_slices
 from tests.adapters.conftest import Fixture
 from tests.conftest import run_daemon
 from tests.gpu.conftest import cuda_usable
 from tests.reliability.diskfull import FullDisk, run, small_disk
 from tests.reliability.files_support import assert_rank, read_tensors
+from tests.reliability.load_support import many_tensor_model
 from weightd.client import AdminClient, ResourceExhaustedError, WeightClient
+
+__all__ = ["many_tensor_model"]  # a fixture, used by name
 
 pytestmark = pytest.mark.e2e
 
 
-def _one_line_naming(stderr: str, path: Path, disk: FullDisk) -> None:
+def _one_line_naming(stderr: str, path: Path, disk: FullDisk, command: str = "manifest") -> None:
     """One error line (after the usual INFO progress lines), no traceback."""
     lines = [line for line in stderr.splitlines() if "error:" in line]
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    assert lines[0].startswith("weightd manifest: error: "), stderr
+    assert lines[0].startswith(f"weightd {command}: error: "), stderr
     assert f"cannot write {path}" in lines[0], stderr
     assert any(e in lines[0] for e in disk.errors), stderr
 
@@ -73,6 +78,49 @@ def test_manifest_and_keys_on_a_full_disk(
         ok = run(disk, ["manifest", "create", str(transformers_models["qwen2"]), "-o", str(out)])
         assert ok.returncode == 0, ok.stderr
         assert out.read_bytes() != old and json.loads(out.read_bytes())["tensors"]
+        print(f"full disk simulated with {disk.mode}")
+
+
+def _is_rank(path: Path, model: Path, rank: int) -> None:
+    from safetensors.torch import load
+
+    got = load(path.read_bytes())
+    want = reference_slices(str(model), 2, rank)
+    assert set(got) == set(want)
+    for name, w in want.items():
+        assert torch.equal(got[name].view(torch.uint8), w.view(torch.uint8)), name
+
+
+def test_fetch_out_on_a_full_disk_keeps_the_old_file(
+    many_tensor_model: Path, tmp_path: Path
+) -> None:
+    """``weightd fetch --out``: a rank that does not fit leaves the previous file whole."""
+    with (
+        run_daemon(tmp_path, [("many", many_tensor_model)]) as daemon,
+        small_disk(tmp_path / "disk", size=24 << 20, limit=256 << 10) as disk,
+    ):
+        out = disk.directory / "rank.safetensors"
+
+        def fetch(rank: int) -> subprocess.CompletedProcess[str]:
+            argv = ["fetch", daemon.target, "--rank", str(rank), "--world-size", "2"]
+            return run(disk, [*argv, "--out", str(out)])
+
+        first = fetch(0)
+        assert first.returncode == 0, first.stderr
+        old = out.read_bytes()
+        _is_rank(out, many_tensor_model, 0)
+
+        disk.fill()
+        again = fetch(1)
+        assert again.returncode == 1, again.stderr
+        _one_line_naming(again.stderr, out, disk, command="fetch")
+        assert out.read_bytes() == old
+        assert disk.files() == [out.name]  # no temporary file left behind
+
+        disk.drain()
+        ok = fetch(1)
+        assert ok.returncode == 0, ok.stderr
+        _is_rank(out, many_tensor_model, 1)
         print(f"full disk simulated with {disk.mode}")
 
 

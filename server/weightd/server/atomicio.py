@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import tempfile
+from collections.abc import Iterator
 
 from .errors import OutputWriteError, StorageFullError
 
@@ -67,4 +69,50 @@ def write_atomic(path: str, data: bytes, *, mode: int = 0o644, exclusive: bool =
             raise OutputWriteError(path, "already exists; refusing to overwrite it") from None
         if isinstance(exc, OSError):
             raise write_error(path, exc) from None
+        raise
+
+
+#: How a Rust writer (safetensors) reports the OS error under its own exception type.
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str, *, mode: int = 0o644) -> Iterator[str]:
+    """A temporary file name beside ``path``, for writers that want a name, not bytes.
+
+    Why: ``safetensors``' ``save_file`` streams a rank of many GiB straight to disk;
+    building the bytes first (for :func:`write_atomic`) would hold the rank twice in
+    memory. On a clean exit the file is fsynced and renamed over ``path``; on any
+    failure it is removed, and an OS error (or a writer's message carrying one, as
+    safetensors' ``SafetensorError`` does) is raised as the typed error naming ``path``.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+        os.close(fd)
+    except OSError as exc:
+        raise write_error(path, exc) from None
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise write_error(path, exc) from None
+        found = _OS_ERROR.search(str(exc)) if isinstance(exc, Exception) else None
+        if found is not None:
+            code = int(found.group(1))
+            raise write_error(path, OSError(code, os.strerror(code))) from None
         raise

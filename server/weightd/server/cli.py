@@ -290,16 +290,18 @@ def _fetch(args: argparse.Namespace) -> int:
 
     from weightd.client import WeightClient
 
+    from .atomicio import atomic_output
+
     creds = _credentials(args)
     with WeightClient(args.target, timeout=args.timeout, credentials=creds) as client:
         state = client.fetch(args.rank, args.world_size, model=args.model, names=args.names)
-    tmp = args.out + ".tmp"
-    save_file(
-        state,
-        tmp,
-        metadata={"weightd_rank": str(args.rank), "weightd_world_size": str(args.world_size)},
-    )
-    os.replace(tmp, args.out)
+    # Written aside and renamed: a full disk leaves the previous file, no partial one.
+    with atomic_output(args.out) as tmp:
+        save_file(
+            state,
+            tmp,
+            metadata={"weightd_rank": str(args.rank), "weightd_world_size": str(args.world_size)},
+        )
     total = sum(t.numel() * t.element_size() for t in state.values())
     where = f"rank {args.rank}/{args.world_size}"
     print(f"wrote {len(state)} tensors, {total} bytes, {where} -> {args.out}")
