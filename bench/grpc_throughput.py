@@ -363,7 +363,7 @@ def report(
 
     gbps = {r: statistics.median(x["bytes"] / x["seconds"] / 1e9 for x in runs[r]) for r in rows}
     ref = "bare-pb" if "bare-pb" in rows else rows[0]
-    base = "before" if "before" in rows else None
+    base = "before" if "before" in rows and ref != "before" else None
     print(
         f"\nOne stream, TP={args.world_size} rank {args.rank}, {nbytes / 1e6:.0f} MB, Unix socket, "
         f"median of {args.repeat} alternating runs (baseline {args.baseline_rev}):"
