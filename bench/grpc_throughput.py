@@ -24,7 +24,12 @@ is what bounds a stream, and CPU time is far less noisy than wall time. Each cli
 run checks it received every tensor (weightd verifies every slice's SHA-256).
 
     .venv/bin/python bench/grpc_throughput.py [--size-mb 400] [--world-size 2] [--repeat 5]
-        [--baseline-rev 57b8bc6] [--rows bare-raw,bare-pb,before,after]
+        [--baseline-rev 57b8bc6] [--rows bare-raw,bare-pb,before,after] [--json FILE]
+
+--baseline-rev is the commit before Fetch messages were hand-encoded (grpc-speed); the
+"before"/"old-*" rows need it in the repository's history (``git archive``), the other
+rows do not. ``--smoke`` uses tiny tensor widths (tests/bench keeps the script working).
+Results and what the profiles showed: docs/grpc-throughput.md.
 """
 
 from __future__ import annotations
@@ -269,6 +274,7 @@ def main() -> None:
     p.add_argument("--baseline-rev", default="57b8bc6", help="'before' source (git revision)")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of rows")
     p.add_argument("--json", type=Path, default=None, help="also write the raw runs here")
+    p.add_argument("--smoke", action="store_true", help="tiny widths (tests: it still runs)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--target", default="", help=argparse.SUPPRESS)
     p.add_argument("--bare-server", help=argparse.SUPPRESS)
@@ -285,10 +291,11 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown rows: {sorted(unknown)}")
     sys.path.insert(0, str(ROOT))
-    from bench.checkpoint import make_checkpoint
+    from bench.checkpoint import SMOKE, TINYLLAMA, make_checkpoint
 
     directory = args.dir or Path(tempfile.gettempdir()) / f"weightd-grpc-bench-{args.size_mb}M"
-    make_checkpoint(directory, args.size_mb * 1_000_000, shards=2)
+    widths = SMOKE if args.smoke else TINYLLAMA
+    make_checkpoint(directory, args.size_mb * 1_000_000, shards=2, widths=widths)
     for f in directory.iterdir():  # warm the page cache
         if f.is_file():
             f.read_bytes()
@@ -297,7 +304,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="weightd-grpc-bench-") as tmp:
         work = Path(tmp)
         try:
-            old_src = baseline_tree(args.baseline_rev, work / "baseline")
+            needs_old = {"before", "old-client", "old-server"} & set(rows)
+            old_src = baseline_tree(args.baseline_rev, work / "baseline") if needs_old else None
             servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
             if any(r in rows for r in ("before", "old-server")):
                 servers["old"] = start_weightd(directory, work / "old", old_src)
