@@ -6,9 +6,12 @@ handles instead (``local_fetch``, ``shm``, ``cuda_ipc``); this module is the gRP
 Copies, end to end, for each byte fetched over gRPC (``transport="grpc"``):
 
 1. daemon: page cache → a read buffer (``pread``/``preadv``);
-2. daemon: protobuf serialisation into gRPC's send buffers;
-3. client: gRPC receive buffers → the protobuf message's ``bytes`` field;
-4. client: that ``bytes`` object → the final, preallocated tensor (one ``memmove``).
+2. daemon: the hand-encoded message's pieces → one ``bytes`` (``server/fetchwire.py``),
+   then gRPC's copy into its send buffers;
+3. client: gRPC receive buffers → the message's ``bytes`` (gRPC's Python API);
+4. client: a view of that message → the final, preallocated tensor (one copy); the
+   message is parsed by ``fetchwire.py``, not protobuf, whose ``FromString`` and
+   ``chunk.data`` added two more copies of every byte.
 
 Nothing is assembled twice: each tensor is allocated once, at its final shape, when
 its header arrives, and every chunk is written straight into place. The SHA-256 of
@@ -30,6 +33,7 @@ from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .adapters import AdapterWatch, AdapterWeights, fetch_adapter_via
 from .errors import InvalidArgumentError, from_rpc_error
+from .fetchwire import RawFetchStub
 from .layout import Layout
 from .local_fetch import attach_local, negotiated_fetch
 from .receive import ProgressFn, receive_all
@@ -131,6 +135,8 @@ class WeightClient:
         else:
             self._channel = grpc.secure_channel(target, credentials, options=opts)
         self._stub = pb_grpc.WeightsStub(self._channel)
+        #: Fetch with responses left as wire bytes, parsed without copying the payload.
+        self._fetch_stub = RawFetchStub(self._channel)
         self.target = target
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
@@ -380,7 +386,7 @@ class WeightClient:
         report = ResumeReport()
         self.last_resume = report
         return fetch_resumable(
-            self._stub,
+            self._fetch_stub,
             request,
             timeout=self.timeout,
             policy=self.retry,

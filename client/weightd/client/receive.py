@@ -25,6 +25,7 @@ from weightd.v1 import weightd_pb2 as pb
 
 from .dtypes import torch_dtype
 from .errors import DataLossError, WeightdError, from_rpc_error
+from .fetchwire import WireChunk, from_message, parse_fetch_response
 
 #: Called after each complete tensor with (its index in the rank, its name).
 ProgressFn = Callable[[int, str], None]
@@ -33,7 +34,7 @@ ProgressFn = Callable[[int, str], None]
 class _Incoming:
     """One tensor being received: its final storage, a write cursor and a running hash."""
 
-    __slots__ = ("address", "hasher", "name", "nbytes", "received", "tensor")
+    __slots__ = ("hasher", "name", "nbytes", "received", "storage", "tensor")
 
     def __init__(self, header: pb.SliceHeader) -> None:
         self.name = header.name
@@ -46,21 +47,25 @@ class _Incoming:
                 f"tensor {self.name!r}: header says {self.nbytes} bytes, "
                 f"{header.dtype} {list(header.shape)} holds {actual}"
             )
-        self.address = self.tensor.data_ptr()
+        #: The tensor's bytes as a writable memoryview: chunks are copied in by slice
+        #: assignment, straight from the received message (see :mod:`.fetchwire`).
+        self.storage = memoryview((ctypes.c_char * actual).from_address(self.tensor.data_ptr()))
+        self.storage = self.storage.cast("B")
         self.received = 0
         self.hasher = hashlib.sha256()
 
-    def write(self, chunk: pb.TensorChunk) -> None:
+    def write(self, chunk: WireChunk) -> None:
         data = chunk.data
-        if chunk.offset != self.received or self.received + len(data) > self.nbytes:
+        size = data.nbytes
+        if chunk.offset != self.received or self.received + size > self.nbytes:
             raise DataLossError(
-                f"tensor {self.name!r}: chunk at offset {chunk.offset} (+{len(data)}) does not "
+                f"tensor {self.name!r}: chunk at offset {chunk.offset} (+{size}) does not "
                 f"follow the {self.received} of {self.nbytes} bytes received"
             )
-        if data:
-            ctypes.memmove(self.address + self.received, data, len(data))
+        if size:
+            self.storage[self.received : self.received + size] = data
             self.hasher.update(data)
-        self.received += len(data)
+        self.received += size
 
     def finish(self, digest: str) -> torch.Tensor:
         if self.received != self.nbytes:
@@ -103,23 +108,32 @@ class RankReceiver:
     def consume(self, stream: Any) -> None:
         """Read one stream, starting at :attr:`next_index`, to its ``done`` message.
 
-        Raises a :class:`~weightd.client.errors.WeightdError`; the tensors completed
-        before the failure are kept, the one in flight is dropped.
+        The stream yields ``FetchResponse`` messages, or their wire bytes (a Fetch
+        called with no response deserializer, as :class:`~.client.WeightClient` does:
+        :func:`~.fetchwire.parse_fetch_response` then reads them without copying the
+        payload). Raises a :class:`~weightd.client.errors.WeightdError`; the tensors
+        completed before the failure are kept, the one in flight is dropped.
         """
         current: _Incoming | None = None
         done: pb.FetchDone | None = None
         self.first = None
         try:
-            for response in stream:
-                if self.first is None:
-                    self.first = response
+            for item in stream:
+                if isinstance(item, bytes):
+                    response = parse_fetch_response(item)
+                    if self.first is None:  # valid: it parsed above
+                        self.first = pb.FetchResponse.FromString(item)
+                else:
+                    response = from_message(item)
+                    if self.first is None:
+                        self.first = item
                 if done is not None:
                     raise DataLossError("the daemon sent data after closing the stream")
                 if response.model_fingerprint:
                     self.fingerprint = response.model_fingerprint
                 for chunk in response.chunks:
                     current = self._chunk(chunk, current)
-                if response.HasField("done"):
+                if response.done is not None:
                     done = response.done
         except grpc.RpcError as exc:
             if current is not None:
@@ -136,13 +150,13 @@ class RankReceiver:
                 f"{len(self.tensors)} arrived complete"
             )
 
-    def _chunk(self, chunk: pb.TensorChunk, current: _Incoming | None) -> _Incoming | None:
+    def _chunk(self, chunk: WireChunk, current: _Incoming | None) -> _Incoming | None:
         """Apply one chunk; the tensor still in flight afterwards (None: none)."""
         if chunk.index != self.next_index:
             raise DataLossError(
                 f"chunk for tensor {chunk.index} arrived while tensor {self.next_index} was due"
             )
-        if chunk.HasField("header"):
+        if chunk.header is not None:
             if current is not None:
                 raise DataLossError(
                     f"tensor header {chunk.index} arrived before {current.name!r} was complete"
@@ -151,7 +165,7 @@ class RankReceiver:
         elif current is None:
             raise DataLossError(f"chunk for tensor {chunk.index} arrived before its header")
         current.write(chunk)
-        self.received_bytes += len(chunk.data)
+        self.received_bytes += chunk.data.nbytes
         if not chunk.digest:
             return current
         if current.name in self.tensors:

@@ -16,8 +16,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from weightd.v1 import weightd_pb2_grpc as pb_grpc
-
 from . import lifecycle, listeners, logs
 from .adapters.metrics import adapter_metrics
 from .adapters.registry import AdapterRegistry
@@ -41,7 +39,7 @@ from .models import ModelRegistry
 from .rules import RuleTable
 from .rulesfile import load_rules_file
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
-from .service import DEFAULT_CHUNK_BYTES, WeightsService
+from .service import DEFAULT_CHUNK_BYTES, WeightsService, add_weights_service
 from .transports.local_server import LocalServer, start_local_server
 from .transports.options import LocalConfig, check_config
 from .verify import VerifyOptions
@@ -259,7 +257,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             adapters,
             resumes=metrics.fetch_resumes if metrics is not None else None,
         )
-        pb_grpc.add_WeightsServicer_to_server(service, server)
+        add_weights_service(service, server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if config.reflection:

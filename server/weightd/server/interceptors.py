@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
 
+from .fetchwire import payload_bytes
 from .metrics import Metrics
 
 Behavior = Callable[[Any, grpc.ServicerContext], Any]
@@ -181,7 +182,7 @@ class RpcObserver(grpc.ServerInterceptor):
             try:
                 for response in inner:
                     if is_fetch:
-                        sent += sum(len(c.data) for c in response.chunks)
+                        sent += payload_bytes(response)
                     yield response
             except GeneratorExit:
                 code = grpc.StatusCode.CANCELLED  # the client went away mid-stream

@@ -6,17 +6,17 @@ import functools
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import grpc
 from prometheus_client import Counter
 
 from weightd.common.digests import slice_digest
 from weightd.v1 import weightd_pb2 as pb
-from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .adapters.rpc import Adapters
 from .errors import DataIntegrityError, ModelChanged, NoAdapters, WeightdError, status_for
+from .fetchwire import Buffer, EncodedResponse, serialize_fetch_response
 from .layout import Layout
 from .models import LoadedModel, ModelRegistry
 from .resume import fingerprint, resume_start
@@ -28,6 +28,8 @@ log = logging.getLogger("weightd.service")
 DEFAULT_CHUNK_BYTES: Final = 1 << 20  # fastest measured here (PERFORMANCE.md)
 MAX_CHUNK_BYTES: Final = 4 << 20
 MIN_CHUNK_BYTES: Final = 4 << 10
+#: The worker-facing service's full name in the proto.
+SERVICE: Final = "weightd.v1.Weights"
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -67,7 +69,9 @@ def layout_of(msg: pb.Layout) -> Layout:
     )
 
 
-class WeightsService(pb_grpc.WeightsServicer):
+class WeightsService:
+    """The ``weightd.v1.Weights`` methods; register with :func:`add_weights_service`."""
+
     def __init__(
         self,
         registry: ModelRegistry,
@@ -154,7 +158,7 @@ class WeightsService(pb_grpc.WeightsServicer):
 
     def Fetch(
         self, request: pb.FetchRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.FetchResponse]:
+    ) -> Iterator[pb.FetchResponse | EncodedResponse]:
         model: LoadedModel | None = None
         try:
             model = self.registry.get(request.model)
@@ -217,16 +221,22 @@ class WeightsService(pb_grpc.WeightsServicer):
         chunk: int,
         context: grpc.ServicerContext,
         start: int = 0,
-    ) -> Iterator[pb.FetchResponse]:
-        pending: list[pb.TensorChunk] = []
-        pending_bytes = 0
+    ) -> Iterator[EncodedResponse]:
+        """The rank's chunks, ``chunk`` payload bytes per message at most, hand-encoded.
+
+        Each slice's bytes are hashed as they are read; the piece that completes a slice
+        carries its digest only once those bytes were found to hash to the verified
+        (anchored) digest. Pieces are referenced, not copied, until gRPC serializes the
+        message (see :mod:`.fetchwire` for why messages are not built with protobuf).
+        """
+        pending = EncodedResponse()
         for index, s in enumerate(plan.slices):
             if index < start:
                 continue  # a resume: the client holds these already
             if not context.is_active():
                 return
             anchored = self._anchor(model, s, plan)
-            header = pb.SliceHeader(
+            header: pb.SliceHeader | None = pb.SliceHeader(
                 name=s.name,
                 dtype=s.dtype,
                 shape=s.shape,
@@ -236,29 +246,65 @@ class WeightsService(pb_grpc.WeightsServicer):
             )
             hasher = hashlib.sha256()
             offset = 0
-            pieces: Iterator[bytes] = model.store.iter_pattern(s.shard, s.pattern, chunk)
+            pieces: Iterator[Buffer] = model.store.iter_pattern(s.shard, s.pattern, chunk)
             if s.nbytes == 0:
                 pieces = iter([b""])
             for data in pieces:
+                size = len(data)
                 hasher.update(data)
-                piece = pb.TensorChunk(index=index, offset=offset, data=data)
-                if offset == 0:
-                    piece.header.CopyFrom(header)
-                offset += len(data)
-                if offset == s.nbytes:
+                digest = ""
+                if offset + size == s.nbytes:
                     actual = slice_digest(hasher)
                     if actual != anchored:
                         raise DataIntegrityError(
                             f"tensor {s.name!r} in shard {s.shard}: slice bytes read now hash to "
                             f"{actual}, the verified slice to {anchored}"
                         )
-                    piece.digest = anchored
-                if pending and pending_bytes + len(data) > chunk:
-                    yield pb.FetchResponse(chunks=pending)
-                    pending, pending_bytes = [], 0
-                pending.append(piece)
-                pending_bytes += len(data)
-        yield pb.FetchResponse(
-            chunks=pending,
-            done=pb.FetchDone(num_tensors=len(plan.slices), total_bytes=plan.nbytes),
-        )
+                    digest = anchored
+                if not pending.empty and pending.payload_bytes + size > chunk:
+                    yield pending
+                    pending = EncodedResponse()
+                pending.add_chunk(index, offset, data, header=header, digest=digest)
+                header = None  # the first chunk of a slice only
+                offset += size
+        pending.set_done(pb.FetchDone(num_tensors=len(plan.slices), total_bytes=plan.nbytes))
+        yield pending
+
+
+def add_weights_service(service: WeightsService, server: grpc.Server) -> None:
+    """Register ``service`` for every method of ``weightd.v1.Weights`` on ``server``.
+
+    What the generated ``add_WeightsServicer_to_server`` does, except that Fetch's
+    responses go through :func:`.fetchwire.serialize_fetch_response`, which accepts the
+    hand-encoded messages :meth:`WeightsService.Fetch` yields (same wire bytes).
+    ``tests/unit/test_fetchwire.py`` checks this table against the proto's methods.
+    """
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels,
+            request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+        "DescribeModel": grpc.unary_unary_rpc_method_handler(
+            service.DescribeModel,
+            request_deserializer=pb.DescribeModelRequest.FromString,
+            response_serializer=pb.ModelDescription.SerializeToString,
+        ),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            service.Fetch,
+            request_deserializer=pb.FetchRequest.FromString,
+            response_serializer=serialize_fetch_response,
+        ),
+        "FetchAdapter": grpc.unary_stream_rpc_method_handler(
+            service.FetchAdapter,
+            request_deserializer=pb.FetchAdapterRequest.FromString,
+            response_serializer=pb.FetchResponse.SerializeToString,
+        ),
+        "WatchAdapters": grpc.unary_stream_rpc_method_handler(
+            service.WatchAdapters,
+            request_deserializer=pb.WatchAdaptersRequest.FromString,
+            response_serializer=pb.AdapterEvent.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)

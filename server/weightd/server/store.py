@@ -174,11 +174,15 @@ class ShardStore:
         if got != len(dst):
             raise self._short(shard, offset, len(dst), got)
 
-    def iter_pattern(self, name: str, pattern: RunPattern, max_bytes: int) -> Iterator[bytes]:
+    def iter_pattern(
+        self, name: str, pattern: RunPattern, max_bytes: int
+    ) -> Iterator[bytes | bytearray]:
         """Yield the pattern's bytes in output order, in pieces of at most ``max_bytes``.
 
         The shard's identity is checked after every piece, so a piece is only handed
-        out if the file was unchanged while it was read.
+        out if the file was unchanged while it was read. Each piece is a new object
+        that nothing else holds (rows gathered into a ``bytearray`` are handed out as
+        they are, not copied again into ``bytes``).
         """
         rb = pattern.row_bytes
         if pattern.count == 1 or rb >= max_bytes:
@@ -199,7 +203,7 @@ class ShardStore:
             buf = bytearray((hi - lo) * rb)
             self._read_rows(name, pattern, lo, hi, memoryview(buf))
             self.check(name)
-            yield bytes(buf)
+            yield buf
 
     def read_pattern_into(self, name: str, pattern: RunPattern, dst: memoryview) -> None:
         """Read the pattern's bytes, in output order, straight into ``dst`` (its exact size).

@@ -1,0 +1,393 @@
+"""gRPC Fetch throughput of one rank, side by side with bare Python gRPC (the ceiling).
+
+Not a test: prints a table. Every row streams the same amount of data over a Unix
+socket, from a server process to a fresh client process (so the client's tensors are
+fresh memory, as in a real worker), one stream at a time. Rows:
+
+  bare-raw        a generic gRPC handler yielding the rank's bytes in 1 MiB ``bytes``
+                  messages (identity serializers); the client counts them. No protobuf,
+                  no hashing, no tensors: the transport's own ceiling.
+  bare-pb         the same bytes as ``FetchResponse`` messages with one 1 MiB chunk each,
+                  built by the server and parsed by the client with the generated code;
+                  no hashing, no tensors, no file reads ("Python gRPC, 1 MiB protobuf
+                  chunks" in PERFORMANCE.md).
+  before          ``weightd serve`` and ``WeightClient.fetch(transport="grpc")`` from the
+                  baseline source (``git archive`` of --baseline-rev: both sides old).
+  after           the same from this working tree (both sides new).
+  old-client      baseline client against the new daemon (compatibility, timed too).
+  old-server      new client against the baseline daemon (compatibility, timed too).
+
+A row's value is the median of --repeat runs; the rows alternate inside each repeat so
+drift on this shared machine hits them alike. Besides wall-clock GB/s, the CPU seconds
+the server and the client spent per GB are shown: on a 2-core machine the sum of both
+is what bounds a stream, and CPU time is far less noisy than wall time. Each client
+run checks it received every tensor (weightd verifies every slice's SHA-256).
+
+    .venv/bin/python bench/grpc_throughput.py [--size-mb 400] [--world-size 2] [--repeat 5]
+        [--baseline-rev 57b8bc6] [--rows bare-raw,bare-pb,before,after] [--json FILE]
+
+--baseline-rev is the commit before Fetch messages were hand-encoded (grpc-speed); the
+"before"/"old-*" rows need it in the repository's history (``git archive``), the other
+rows do not. ``--smoke`` uses tiny tensor widths (tests/bench keeps the script working).
+Results and what the profiles showed: docs/grpc-throughput.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ROWS = ["bare-raw", "bare-pb", "before", "after", "old-client", "old-server"]
+BARE_CHUNK = 1 << 20
+BARE_SERVICE = "weightd.bench.Bare"
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _env(src: Path | None) -> dict[str, str]:
+    """The environment that makes ``import weightd`` resolve to ``src`` (None: this tree)."""
+    env = dict(os.environ)
+    roots = [src or ROOT]
+    env["PYTHONPATH"] = os.pathsep.join(f"{r / 'client'}{os.pathsep}{r / 'server'}" for r in roots)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def _wait_for(sock: Path, proc: subprocess.Popen[bytes], log: Path, weightd: bool) -> None:
+    import grpc
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited ({proc.returncode}): see {log}")
+        if sock.exists():
+            if not weightd:
+                return
+            from weightd.v1 import weightd_pb2 as pb
+            from weightd.v1 import weightd_pb2_grpc as pb_grpc
+
+            with grpc.insecure_channel(f"unix://{sock}") as ch:
+                try:
+                    reply = pb_grpc.WeightsStub(ch).ListModels(pb.ListModelsRequest(), timeout=2)
+                    if reply.models and reply.models[0].ready:
+                        return
+                except grpc.RpcError:
+                    pass
+        time.sleep(0.2)
+    raise SystemExit(f"server not ready after 300 s: see {log}")
+
+
+def start_weightd(
+    directory: Path, run: Path, src: Path | None
+) -> tuple[subprocess.Popen[bytes], str]:
+    run.mkdir(mode=0o700)
+    sock = run / "weightd.sock"
+    log = run.parent / f"{run.name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "weightd.server.cli",
+                "serve",
+                "--listen",
+                f"unix://{sock}",
+                "--model",
+                f"bench={directory}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(src),
+            cwd=run.parent,
+        )
+    _wait_for(sock, proc, log, weightd=True)
+    return proc, f"unix://{sock}"
+
+
+def start_bare(run: Path, nbytes: int) -> tuple[subprocess.Popen[bytes], str]:
+    run.mkdir(mode=0o700)
+    sock = run / "bare.sock"
+    log = run.parent / f"{run.name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--bare-server", str(sock), "--bare-bytes", str(nbytes)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(None),
+        )
+    _wait_for(sock, proc, log, weightd=False)
+    return proc, f"unix://{sock}"
+
+
+def bare_server(sock: str, nbytes: int) -> None:
+    """Serve ``nbytes`` of random bytes in 1 MiB messages: raw, and as FetchResponse."""
+    import grpc
+
+    from weightd.v1 import weightd_pb2 as pb
+
+    pieces = [os.urandom(min(BARE_CHUNK, nbytes - o)) for o in range(0, nbytes, BARE_CHUNK)]
+
+    def raw(request: bytes, context: Any) -> Any:
+        yield from pieces
+
+    def protobuf(request: bytes, context: Any) -> Any:
+        for i, data in enumerate(pieces):
+            resp = pb.FetchResponse()
+            resp.chunks.add(index=0, offset=i * BARE_CHUNK, data=data)
+            yield resp
+
+    handler = grpc.method_handlers_generic_handler(
+        BARE_SERVICE,
+        {
+            "Raw": grpc.unary_stream_rpc_method_handler(raw),
+            "Pb": grpc.unary_stream_rpc_method_handler(
+                protobuf, response_serializer=pb.FetchResponse.SerializeToString
+            ),
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    server.wait_for_termination()
+
+
+# --- one client run, in its own process ------------------------------------------------------
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import grpc
+
+    started_cpu = resource.getrusage(resource.RUSAGE_SELF)
+    if args.child.startswith("bare"):
+        from weightd.v1 import weightd_pb2 as pb
+
+        channel = grpc.insecure_channel(
+            args.target, options=[("grpc.max_receive_message_length", 16 << 20)]
+        )
+        grpc.channel_ready_future(channel).result(timeout=30)
+        raw = args.child == "bare-raw"
+        call = channel.unary_stream(
+            f"/{BARE_SERVICE}/{'Raw' if raw else 'Pb'}",
+            request_serializer=None,
+            response_deserializer=None if raw else pb.FetchResponse.FromString,
+        )
+        started_cpu = resource.getrusage(resource.RUSAGE_SELF)
+        started = time.perf_counter()
+        nbytes = 0
+        for msg in call(b"", timeout=600):
+            nbytes += len(msg) if raw else sum(len(c.data) for c in msg.chunks)
+        seconds = time.perf_counter() - started
+        tensors = 0
+    else:
+        import weightd.client
+
+        client = weightd.client.WeightClient(args.target, timeout=600)
+        client.list_models()  # connected before the clock starts
+        started_cpu = resource.getrusage(resource.RUSAGE_SELF)
+        started = time.perf_counter()
+        state = client.fetch(args.rank, args.world_size, transport="grpc")
+        seconds = time.perf_counter() - started
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        tensors = len(state)
+        client.close()
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (now.ru_utime - started_cpu.ru_utime) + (now.ru_stime - started_cpu.ru_stime)
+    print(json.dumps({"seconds": seconds, "bytes": nbytes, "tensors": tensors, "cpu": cpu}))
+
+
+def run_client(
+    row: str, target: str, src: Path | None, server_pid: int, args: argparse.Namespace
+) -> dict[str, float]:
+    kind = row if row.startswith("bare") else "weightd"
+    cpu_before = _cpu_seconds(server_pid)
+    done = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            kind,
+            "--target",
+            target,
+            "--rank",
+            str(args.rank),
+            "--world-size",
+            str(args.world_size),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=_env(src),
+        check=False,
+    )
+    if done.returncode:
+        raise SystemExit(f"{row}: client failed\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["server_cpu"] = _cpu_seconds(server_pid) - cpu_before
+    return result
+
+
+# --- the driver ------------------------------------------------------------------------------
+
+
+def baseline_tree(rev: str, into: Path) -> Path:
+    """``client/`` and ``server/`` of ``rev``, exported with ``git archive``."""
+    into.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "client", "server"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size-mb", type=int, default=400, help="checkpoint size (generated)")
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: /tmp)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--baseline-rev", default="57b8bc6", help="'before' source (git revision)")
+    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of rows")
+    p.add_argument("--json", type=Path, default=None, help="also write the raw runs here")
+    p.add_argument("--smoke", action="store_true", help="tiny widths (tests: it still runs)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--target", default="", help=argparse.SUPPRESS)
+    p.add_argument("--bare-server", help=argparse.SUPPRESS)
+    p.add_argument("--bare-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.bare_server:
+        bare_server(args.bare_server, args.bare_bytes)
+        return
+    if args.child:
+        child(args)
+        return
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = set(rows) - set(ROWS)
+    if unknown:
+        raise SystemExit(f"unknown rows: {sorted(unknown)}")
+    sys.path.insert(0, str(ROOT))
+    from bench.checkpoint import SMOKE, TINYLLAMA, make_checkpoint
+
+    directory = args.dir or Path(tempfile.gettempdir()) / f"weightd-grpc-bench-{args.size_mb}M"
+    widths = SMOKE if args.smoke else TINYLLAMA
+    make_checkpoint(directory, args.size_mb * 1_000_000, shards=2, widths=widths)
+    for f in directory.iterdir():  # warm the page cache
+        if f.is_file():
+            f.read_bytes()
+    procs: list[subprocess.Popen[bytes]] = []
+    runs: dict[str, list[dict[str, float]]] = {r: [] for r in rows}
+    with tempfile.TemporaryDirectory(prefix="weightd-grpc-bench-") as tmp:
+        work = Path(tmp)
+        try:
+            needs_old = {"before", "old-client", "old-server"} & set(rows)
+            old_src = baseline_tree(args.baseline_rev, work / "baseline") if needs_old else None
+            servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+            if any(r in rows for r in ("before", "old-server")):
+                servers["old"] = start_weightd(directory, work / "old", old_src)
+                procs.append(servers["old"][0])
+            if any(r in rows for r in ("after", "old-client")):
+                servers["new"] = start_weightd(directory, work / "new", None)
+                procs.append(servers["new"][0])
+            plan: dict[str, tuple[str, Path | None]] = {
+                "before": ("old", old_src),
+                "after": ("new", None),
+                "old-client": ("new", old_src),
+                "old-server": ("old", None),
+            }
+            # The bare rows stream as many bytes as the weightd rank holds.
+            nbytes = 0
+            probe = next((r for r in rows if not r.startswith("bare")), None)
+            if probe is not None:
+                server, src = plan[probe]
+                warm = run_client(probe, servers[server][1], src, servers[server][0].pid, args)
+                nbytes = int(warm["bytes"])
+            else:
+                nbytes = args.size_mb * 1_000_000 // args.world_size
+            if any(r.startswith("bare") for r in rows):
+                servers["bare"] = start_bare(work / "bare", nbytes)
+                procs.append(servers["bare"][0])
+                plan["bare-raw"] = ("bare", None)
+                plan["bare-pb"] = ("bare", None)
+            for row in rows:  # one unmeasured run each: imports, first-touch, caches
+                server, src = plan[row]
+                run_client(row, servers[server][1], src, servers[server][0].pid, args)
+            for i in range(args.repeat):
+                order = rows if i % 2 == 0 else rows[::-1]
+                for row in order:
+                    server, src = plan[row]
+                    r = run_client(row, servers[server][1], src, servers[server][0].pid, args)
+                    runs[row].append(r)
+                    gbps = r["bytes"] / r["seconds"] / 1e9
+                    print(
+                        f"  {i + 1}/{args.repeat} {row:<11} {gbps:6.3f} GB/s  server "
+                        f"{r['server_cpu']:.2f} s  client {r['cpu']:.2f} s CPU",
+                        flush=True,
+                    )
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(60)
+    tensors = {r: {int(x["tensors"]) for x in runs[r]} for r in rows if not r.startswith("bare")}
+    if len({frozenset(v) for v in tensors.values()}) > 1:
+        raise SystemExit(f"rows received different tensor counts: {tensors}")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"args": vars(args) | {"dir": str(directory)}, "runs": runs}, default=str)
+        )
+    report(runs, rows, args, nbytes)
+
+
+def report(
+    runs: dict[str, list[dict[str, float]]], rows: list[str], args: argparse.Namespace, nbytes: int
+) -> None:
+    def med(row: str, key: str) -> float:
+        return statistics.median(x[key] for x in runs[row])
+
+    gbps = {r: statistics.median(x["bytes"] / x["seconds"] / 1e9 for x in runs[r]) for r in rows}
+    ref = "bare-pb" if "bare-pb" in rows else rows[0]
+    base = "before" if "before" in rows and ref != "before" else None
+    print(
+        f"\nOne stream, TP={args.world_size} rank {args.rank}, {nbytes / 1e6:.0f} MB, Unix socket, "
+        f"median of {args.repeat} alternating runs (baseline {args.baseline_rev}):"
+    )
+    head = f"  {'row':<11}{'GB/s':>8}{'vs ' + ref:>12}"
+    head += f"{'vs before':>11}" if base else ""
+    head += f"{'server CPU s/GB':>17}{'client CPU s/GB':>17}"
+    print(head)
+    for r in rows:
+        gb = nbytes / 1e9
+        line = f"  {r:<11}{gbps[r]:>8.3f}{gbps[r] / gbps[ref]:>11.2f}x"
+        if base:
+            line += f"{gbps[r] / gbps[base]:>10.2f}x"
+        line += f"{med(r, 'server_cpu') / gb:>17.2f}{med(r, 'cpu') / gb:>17.2f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
