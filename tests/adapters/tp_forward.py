@@ -53,6 +53,10 @@ def rank_main(
             logits = forward(w, lora.tensors, lora.scaling, config, ids, rank, ws)
             if rank == 0:
                 save_file({"logits": logits.contiguous()}, out)
+    # No rank leaves while the other may still be in gloo: a peer's socket closing
+    # under a pending operation can abort the process (the likely cause of a SIGABRT
+    # seen once under load; not reproduced in 12 reruns).
+    dist.barrier()
     dist.destroy_process_group()
 
 
