@@ -72,26 +72,13 @@ def _env(src: Path | None) -> dict[str, str]:
     return env
 
 
-def _wait_for(sock: Path, proc: subprocess.Popen[bytes], log: Path, weightd: bool) -> None:
-    import grpc
-
+def _wait_for(sock: Path, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"server exited ({proc.returncode}): see {log}")
         if sock.exists():
-            if not weightd:
-                return
-            from weightd.v1 import weightd_pb2 as pb
-            from weightd.v1 import weightd_pb2_grpc as pb_grpc
-
-            with grpc.insecure_channel(f"unix://{sock}") as ch:
-                try:
-                    reply = pb_grpc.WeightsStub(ch).ListModels(pb.ListModelsRequest(), timeout=2)
-                    if reply.models and reply.models[0].ready:
-                        return
-                except grpc.RpcError:
-                    pass
+            return
         time.sleep(0.2)
     raise SystemExit(f"server not ready after 300 s: see {log}")
 
@@ -99,28 +86,13 @@ def _wait_for(sock: Path, proc: subprocess.Popen[bytes], log: Path, weightd: boo
 def start_weightd(
     directory: Path, run: Path, src: Path | None
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """``weightd serve`` from ``src`` (None: this tree) on a private socket, once serving."""
+    from bench.run import start_daemon
+
     run.mkdir(mode=0o700)
-    sock = run / "weightd.sock"
     log = run.parent / f"{run.name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "weightd.server.cli",
-                "serve",
-                "--listen",
-                f"unix://{sock}",
-                "--model",
-                f"bench={directory}",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=_env(src),
-            cwd=run.parent,
-        )
-    _wait_for(sock, proc, log, weightd=True)
-    return proc, f"unix://{sock}"
+    daemon = start_daemon(directory, f"unix://{run / 'weightd.sock'}", log, env=_env(src))
+    return daemon.process, daemon.target
 
 
 def start_bare(run: Path, nbytes: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -134,7 +106,7 @@ def start_bare(run: Path, nbytes: int) -> tuple[subprocess.Popen[bytes], str]:
             stderr=subprocess.STDOUT,
             env=_env(None),
         )
-    _wait_for(sock, proc, log, weightd=False)
+    _wait_for(sock, proc, log)
     return proc, f"unix://{sock}"
 
 

@@ -139,12 +139,23 @@ class Daemon:
     ready_seconds: float
 
 
-def start_daemon(ckpt: Path, listen: str, log: Path, extra: list[str] | None = None) -> Daemon:
+def start_daemon(
+    ckpt: Path,
+    listen: str,
+    log: Path,
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Daemon:
+    """``weightd serve`` on ``ckpt`` (model ``bench``), returned once it logs ``serving``.
+
+    ``env``: the daemon's environment (None: this process's), e.g. a PYTHONPATH that
+    runs another version of weightd side by side.
+    """
     cmd = [sys.executable, "-m", "weightd.server.cli", "serve", "--model", f"bench={ckpt}"]
     cmd += ["--listen", listen, *(extra or [])]
     t = time.monotonic()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     target = ""
     while time.monotonic() - t < 600:
         text = log.read_text(errors="replace")

@@ -38,16 +38,55 @@ def write_atomic(path: str, data: bytes, *, mode: int = 0o644, exclusive: bool =
     ``exclusive``: refuse (FileExistsError-like OutputWriteError) when ``path`` exists,
     without a window in which a half-written file could be seen (link, not rename).
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
-    except OSError as exc:
-        raise write_error(path, exc) from None
-    try:
+    with atomic_output(path, mode=mode, exclusive=exclusive) as tmp:
+        fd = os.open(tmp, os.O_WRONLY)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+
+#: How a Rust writer (safetensors) reports the OS error under its own exception type.
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _typed(path: str, exc: BaseException) -> OutputWriteError | None:
+    """The typed error for a failed write of ``path``; None: not a write failure (pure)."""
+    if isinstance(exc, FileExistsError):
+        return OutputWriteError(path, "already exists; refusing to overwrite it")
+    if isinstance(exc, OSError):
+        return write_error(path, exc)
+    found = _OS_ERROR.search(str(exc)) if isinstance(exc, Exception) else None
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return write_error(path, OSError(code, os.strerror(code)))
+
+
+@contextlib.contextmanager
+def atomic_output(path: str, *, mode: int = 0o644, exclusive: bool = False) -> Iterator[str]:
+    """A temporary file name beside ``path``; what is written there is published whole.
+
+    Why a name, not bytes: ``safetensors``' ``save_file`` streams a rank of many GiB
+    straight to disk; building the bytes first would hold the rank twice in memory.
+    On a clean exit the file gets ``mode``, is fsynced and renamed over ``path`` (with
+    ``exclusive``: hard-linked, so an existing file is never replaced) and the
+    directory fsynced; on any failure it is removed, and an OS error (or a writer's
+    message carrying one, as safetensors' ``SafetensorError`` does) is raised as the
+    typed error naming ``path``.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+        os.close(fd)
+    except OSError as exc:
+        raise write_error(path, exc) from None
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
             os.fchmod(fd, mode)
             os.fsync(fd)
         finally:
@@ -65,54 +104,7 @@ def write_atomic(path: str, data: bytes, *, mode: int = 0o644, exclusive: bool =
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(exc, FileExistsError):
-            raise OutputWriteError(path, "already exists; refusing to overwrite it") from None
-        if isinstance(exc, OSError):
-            raise write_error(path, exc) from None
-        raise
-
-
-#: How a Rust writer (safetensors) reports the OS error under its own exception type.
-_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-
-
-@contextlib.contextmanager
-def atomic_output(path: str, *, mode: int = 0o644) -> Iterator[str]:
-    """A temporary file name beside ``path``, for writers that want a name, not bytes.
-
-    Why: ``safetensors``' ``save_file`` streams a rank of many GiB straight to disk;
-    building the bytes first (for :func:`write_atomic`) would hold the rank twice in
-    memory. On a clean exit the file is fsynced and renamed over ``path``; on any
-    failure it is removed, and an OS error (or a writer's message carrying one, as
-    safetensors' ``SafetensorError`` does) is raised as the typed error naming ``path``.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
-        os.close(fd)
-    except OSError as exc:
-        raise write_error(path, exc) from None
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fchmod(fd, mode)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise write_error(path, exc) from None
-        found = _OS_ERROR.search(str(exc)) if isinstance(exc, Exception) else None
-        if found is not None:
-            code = int(found.group(1))
-            raise write_error(path, OSError(code, os.strerror(code))) from None
-        raise
+        typed = _typed(path, exc)
+        if typed is None:
+            raise
+        raise typed from None
