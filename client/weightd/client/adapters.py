@@ -17,6 +17,7 @@ import torch
 from weightd.v1 import weightd_pb2 as pb
 
 from .errors import DataLossError, InvalidArgumentError, from_rpc_error
+from .fetchwire import WireResponse
 from .transports import FetchInfo, Transport
 
 _KINDS: Final = {
@@ -82,11 +83,11 @@ def fetch_adapter(
         layout=pb.Layout(tp_size=world_size, tp_rank=rank),
         max_chunk_bytes=chunk_bytes,
     )
-    first: list[pb.FetchResponse] = []
+    first: list[WireResponse] = []
     tensors = receive_slices(stub.FetchAdapter(request, timeout=timeout), first)
-    if not first or not first[0].HasField("adapter"):
+    info = first[0].adapter if first else None
+    if info is None:
         raise DataLossError(f"adapter {name!r}: the daemon did not say which version it sent")
-    info = first[0].adapter
     return AdapterWeights(
         info.name, info.version, info.digest, info.base_model, dict(info.scaling), tensors
     )

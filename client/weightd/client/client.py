@@ -33,7 +33,7 @@ from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .adapters import AdapterWatch, AdapterWeights, fetch_adapter_via
 from .errors import InvalidArgumentError, from_rpc_error
-from .fetchwire import RawFetchStub
+from .fetchwire import RawFetchStub, WireResponse
 from .layout import Layout
 from .local_fetch import attach_local, negotiated_fetch
 from .receive import ProgressFn, receive_all
@@ -80,9 +80,7 @@ class ModelDescription:
     tensors: tuple[TensorInfo, ...]
 
 
-def receive_slices(
-    stream: Any, first: list[pb.FetchResponse] | None = None
-) -> dict[str, torch.Tensor]:
+def receive_slices(stream: Any, first: list[WireResponse] | None = None) -> dict[str, torch.Tensor]:
     """Every slice of a Fetch-format stream, digest-checked; never a partial result.
 
     ``first``, when given (empty), receives the stream's first message (FetchAdapter

@@ -25,7 +25,7 @@ from weightd.v1 import weightd_pb2 as pb
 
 from .dtypes import torch_dtype
 from .errors import DataLossError, WeightdError, from_rpc_error
-from .fetchwire import WireChunk, from_message, parse_fetch_response
+from .fetchwire import WireChunk, WireResponse, from_message, parse_fetch_response
 
 #: Called after each complete tensor with (its index in the rank, its name).
 ProgressFn = Callable[[int, str], None]
@@ -89,7 +89,7 @@ class RankReceiver:
         #: The model content the tensors came from (FetchResponse.model_fingerprint).
         self.fingerprint = ""
         #: The first message of the latest stream (FetchAdapter names its version there).
-        self.first: pb.FetchResponse | None = None
+        self.first: WireResponse | None = None
         #: Payload bytes received, and those thrown away with a tensor left incomplete.
         self.received_bytes = 0
         self.discarded_bytes = 0
@@ -121,12 +121,10 @@ class RankReceiver:
             for item in stream:
                 if isinstance(item, bytes):
                     response = parse_fetch_response(item)
-                    if self.first is None:  # valid: it parsed above
-                        self.first = pb.FetchResponse.FromString(item)
                 else:
                     response = from_message(item)
-                    if self.first is None:
-                        self.first = item
+                if self.first is None:
+                    self.first = response
                 if done is not None:
                     raise DataLossError("the daemon sent data after closing the stream")
                 if response.model_fingerprint:
@@ -176,9 +174,7 @@ class RankReceiver:
         return None
 
 
-def receive_all(
-    stream: Any, first: list[pb.FetchResponse] | None = None
-) -> dict[str, torch.Tensor]:
+def receive_all(stream: Any, first: list[WireResponse] | None = None) -> dict[str, torch.Tensor]:
     """Every slice of one Fetch-format stream, digest-checked; never a partial result."""
     receiver = RankReceiver()
     receiver.consume(stream)
