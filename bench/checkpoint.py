@@ -8,8 +8,10 @@ realistic shapes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -124,4 +126,25 @@ def make_checkpoint(
     (directory / "config.json").write_text(json.dumps(config(layers, widths)))
     marker.write_text(json.dumps(want))
     os.sync()
+    return directory
+
+
+def add_rank_bench_args(p: argparse.ArgumentParser) -> None:
+    """Options of the single-rank benchmarks (grpc_throughput, load_into): one checkpoint."""
+    p.add_argument("--size-mb", type=int, default=400, help="checkpoint size (generated)")
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: /tmp)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--smoke", action="store_true", help="tiny widths (tests: it still runs)")
+
+
+def warm_rank_checkpoint(args: argparse.Namespace) -> Path:
+    """The checkpoint those options name, written if missing, and read into the page cache."""
+    directory = args.dir or Path(tempfile.gettempdir()) / f"weightd-grpc-bench-{args.size_mb}M"
+    widths = SMOKE if args.smoke else TINYLLAMA
+    make_checkpoint(directory, args.size_mb * 1_000_000, shards=2, widths=widths)
+    for f in directory.iterdir():
+        if f.is_file():
+            f.read_bytes()
     return directory

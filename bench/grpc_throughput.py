@@ -238,15 +238,13 @@ def baseline_tree(rev: str, into: Path) -> Path:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--size-mb", type=int, default=400, help="checkpoint size (generated)")
-    p.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: /tmp)")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=5)
+    sys.path.insert(0, str(ROOT))
+    from bench.checkpoint import add_rank_bench_args, warm_rank_checkpoint
+
+    add_rank_bench_args(p)
     p.add_argument("--baseline-rev", default="57b8bc6", help="'before' source (git revision)")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of rows")
     p.add_argument("--json", type=Path, default=None, help="also write the raw runs here")
-    p.add_argument("--smoke", action="store_true", help="tiny widths (tests: it still runs)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--target", default="", help=argparse.SUPPRESS)
     p.add_argument("--bare-server", help=argparse.SUPPRESS)
@@ -262,15 +260,7 @@ def main() -> None:
     unknown = set(rows) - set(ROWS)
     if unknown:
         raise SystemExit(f"unknown rows: {sorted(unknown)}")
-    sys.path.insert(0, str(ROOT))
-    from bench.checkpoint import SMOKE, TINYLLAMA, make_checkpoint
-
-    directory = args.dir or Path(tempfile.gettempdir()) / f"weightd-grpc-bench-{args.size_mb}M"
-    widths = SMOKE if args.smoke else TINYLLAMA
-    make_checkpoint(directory, args.size_mb * 1_000_000, shards=2, widths=widths)
-    for f in directory.iterdir():  # warm the page cache
-        if f.is_file():
-            f.read_bytes()
+    directory = warm_rank_checkpoint(args)
     procs: list[subprocess.Popen[bytes]] = []
     runs: dict[str, list[dict[str, float]]] = {r: [] for r in rows}
     with tempfile.TemporaryDirectory(prefix="weightd-grpc-bench-") as tmp:

@@ -6,6 +6,7 @@ import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ from weightd.client import (
     NotFoundError,
     WeightClient,
 )
+from weightd.client.transports import Transport
 
 pytestmark = pytest.mark.e2e
 
@@ -81,9 +83,31 @@ def test_every_rank_gets_exactly_its_slice(
         assert torch.equal(torch.cat(parts, dim), full), name
 
 
+def _spy_load_state_dict(module: torch.nn.Module) -> list[set[str]]:
+    """Record the names each ``load_state_dict`` call on ``module`` is given."""
+    calls: list[set[str]] = []
+    original = module.load_state_dict
+
+    def spy(state: Any, strict: bool = True, assign: bool = False) -> Any:
+        calls.append(set(state))
+        return original(state, strict=strict, assign=assign)
+
+    module.load_state_dict = spy  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("transport", "in_place", "copied_by_torch"),
+    [("auto", True, "all"), ("grpc", True, "none"), ("grpc", False, "all")],
+)
 @pytest.mark.parametrize("model", ["llama", "llama-gqa", "qwen3"])
 def test_world_size_1_logits_match_from_pretrained(
-    client: WeightClient, transformers_models: dict[str, Path], model: str
+    client: WeightClient,
+    transformers_models: dict[str, Path],
+    model: str,
+    transport: Transport,
+    in_place: bool,
+    copied_by_torch: str,
 ) -> None:
     import transformers
 
@@ -91,7 +115,17 @@ def test_world_size_1_logits_match_from_pretrained(
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     kind, overrides = CONFIGS[model]
     fresh = build_model(kind, overrides, seed=123)  # different weights until loaded
-    client.load_into(fresh, rank=0, world_size=1, model=model)
+    storage = {n: t.data_ptr() for n, t in fresh.state_dict().items()}
+    calls = _spy_load_state_dict(fresh)
+    info = client.load_into(
+        fresh, rank=0, world_size=1, model=model, transport=transport, in_place=in_place
+    )
+    assert info.transport == ("shm" if transport == "auto" else "grpc")
+    # gRPC in place: every slice was received straight into its parameter, so torch
+    # copied nothing; otherwise torch copied every fetched tensor in.
+    fetched = set(read_checkpoint(directory))
+    assert calls == [fetched if copied_by_torch == "all" else set()]
+    assert {n: t.data_ptr() for n, t in fresh.state_dict().items()} == storage
     tokens = torch.randint(
         0, int(overrides["vocab_size"]), (2, 12), generator=torch.Generator().manual_seed(5)
     )
@@ -99,6 +133,20 @@ def test_world_size_1_logits_match_from_pretrained(
         want = reference(tokens).logits
         got = fresh(tokens).logits
     assert torch.equal(got, want)
+
+
+def test_load_into_copies_what_does_not_fit_in_place(
+    client: WeightClient, transformers_models: dict[str, Path]
+) -> None:
+    """A float64 module cannot take the checkpoint's bytes as they are: torch casts them."""
+    kind, overrides = CONFIGS["llama"]
+    fresh = build_model(kind, overrides, seed=7).double()
+    calls = _spy_load_state_dict(fresh)
+    client.load_into(fresh, rank=0, world_size=1, model="llama", transport="grpc")
+    want = read_checkpoint(transformers_models["llama"])
+    assert calls == [set(want)]  # nothing fitted: every tensor went through torch
+    for name, t in fresh.state_dict().items():
+        assert t.dtype == torch.float64 and torch.equal(t, want[name].double()), name
 
 
 def test_weightd_fetch_cli_writes_the_slices(

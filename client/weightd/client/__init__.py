@@ -5,7 +5,8 @@ needs none of the daemon's dependencies.
 """
 
 from .admin import AdminClient, ReloadResult
-from .client import ModelDescription, ModelInfo, TensorInfo, WeightClient
+from .client import WeightClient
+from .descriptions import ModelDescription, ModelInfo, TensorInfo
 from .errors import (
     AbortedError,
     DataLossError,

@@ -18,6 +18,7 @@ from weightd.v1 import weightd_pb2 as pb
 
 from .errors import DataLossError, InvalidArgumentError, from_rpc_error
 from .fetchwire import WireResponse
+from .receive import receive_all
 from .transports import FetchInfo, Transport
 
 _KINDS: Final = {
@@ -76,15 +77,13 @@ def status_of(s: pb.AdapterStatus) -> AdapterStatus:
 def fetch_adapter(
     stub: Any, name: str, rank: int, world_size: int, timeout: float | None, chunk_bytes: int
 ) -> AdapterWeights:
-    from .client import receive_slices
-
     request = pb.FetchAdapterRequest(
         name=name,
         layout=pb.Layout(tp_size=world_size, tp_rank=rank),
         max_chunk_bytes=chunk_bytes,
     )
     first: list[WireResponse] = []
-    tensors = receive_slices(stub.FetchAdapter(request, timeout=timeout), first)
+    tensors = receive_all(stub.FetchAdapter(request, timeout=timeout), first)
     info = first[0].adapter if first else None
     if info is None:
         raise DataLossError(f"adapter {name!r}: the daemon did not say which version it sent")

@@ -21,8 +21,7 @@ returns; a tensor whose digest does not match is never handed out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -32,11 +31,13 @@ from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .adapters import AdapterWatch, AdapterWeights, fetch_adapter_via
+from .descriptions import ModelDescription, ModelInfo, description_of, model_info_of
 from .errors import InvalidArgumentError, from_rpc_error
-from .fetchwire import RawFetchStub, WireResponse
+from .fetchwire import RawFetchStub
 from .layout import Layout
+from .loading import apply_fetched, targets_of
 from .local_fetch import attach_local, negotiated_fetch
-from .receive import ProgressFn, receive_all
+from .receive import ProgressFn
 from .resumable import ResumeReport, fetch_resumable
 from .retry import RetryPolicy, RetryStats, call_with_retry
 from .transports import FetchInfo, PackRef, Transport
@@ -46,47 +47,6 @@ T = TypeVar("T")
 #: Largest message the client accepts: the daemon caps tensor payload at 4 MiB per
 #: message; the rest is headroom for headers of many small tensors sharing a message.
 MAX_MESSAGE_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    architecture: str
-    total_bytes: int
-    num_tensors: int
-    ready: bool
-    #: "loading", "ready", "stale" (still serving its verified files, replaced on disk)
-    #: or "broken"; "" from a daemon that predates the field.
-    state: str = ""
-    reason: str = ""  # why, when not ready: names the file and what changed
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    shard: str
-    nbytes: int
-    digest: str
-
-
-@dataclass(frozen=True)
-class ModelDescription:
-    name: str
-    architecture: str
-    config_json: str
-    total_bytes: int
-    tensors: tuple[TensorInfo, ...]
-
-
-def receive_slices(stream: Any, first: list[WireResponse] | None = None) -> dict[str, torch.Tensor]:
-    """Every slice of a Fetch-format stream, digest-checked; never a partial result.
-
-    ``first``, when given (empty), receives the stream's first message (FetchAdapter
-    names the adapter version there).
-    """
-    return receive_all(stream, first)
 
 
 class WeightClient:
@@ -194,45 +154,24 @@ class WeightClient:
         """Adapter events: a load for each adapter loaded now, then every change in order."""
         return AdapterWatch(self._stub, timeout)
 
-    def list_models(self) -> list[ModelInfo]:
-        def call() -> pb.ListModelsResponse:
+    def _unary(self, method: Callable[..., T], request: object) -> T:
+        """One unary call, retried under the policy, with its failure typed."""
+
+        def call() -> T:
             try:
-                reply: pb.ListModelsResponse = self._stub.ListModels(
-                    pb.ListModelsRequest(), timeout=self.timeout
-                )
+                return method(request, timeout=self.timeout)
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc) from None
-            return reply
 
-        reply = self._retried(call)
-        return [
-            ModelInfo(
-                m.name, m.architecture, m.total_bytes, m.num_tensors, m.ready, m.state, m.reason
-            )
-            for m in reply.models
-        ]
+        return self._retried(call)
+
+    def list_models(self) -> list[ModelInfo]:
+        reply = self._unary(self._stub.ListModels, pb.ListModelsRequest())
+        return [model_info_of(m) for m in reply.models]
 
     def describe(self, model: str | None = None) -> ModelDescription:
-        def call() -> pb.ModelDescription:
-            try:
-                reply: pb.ModelDescription = self._stub.DescribeModel(
-                    pb.DescribeModelRequest(model=model or ""), timeout=self.timeout
-                )
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc) from None
-            return reply
-
-        d = self._retried(call)
-        return ModelDescription(
-            d.name,
-            d.architecture,
-            d.config_json,
-            d.total_bytes,
-            tuple(
-                TensorInfo(t.name, t.dtype, tuple(t.shape), t.shard, t.nbytes, t.digest)
-                for t in d.tensors
-            ),
-        )
+        request = pb.DescribeModelRequest(model=model or "")
+        return description_of(self._unary(self._stub.DescribeModel, request))
 
     # --- weights ---------------------------------------------------------------------
 
@@ -285,6 +224,30 @@ class WeightClient:
         verify: bool = False,
     ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
         """:meth:`fetch`, and how it was served (transport, reason, failures, pack)."""
+        return self._fetch_negotiated(
+            rank,
+            world_size,
+            model=model,
+            names=names,
+            device=device,
+            transport=transport,
+            copy=copy,
+            verify=verify,
+        )
+
+    def _fetch_negotiated(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        model: str | None,
+        names: Iterable[str] | None,
+        device: str | torch.device,
+        transport: Transport,
+        copy: bool,
+        verify: bool,
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
         if world_size < 1 or not 0 <= rank < world_size:
             # Checked here too: a negative number cannot even be encoded as uint32.
             raise InvalidArgumentError(
@@ -297,7 +260,7 @@ class WeightClient:
                 self.target,
                 transport,
                 lambda: self._fetch_grpc(
-                    Layout(tp_size=world_size, tp_rank=rank), model=model, names=wanted
+                    Layout(tp_size=world_size, tp_rank=rank), model=model, names=wanted, into=into
                 ),
                 model=model or "",
                 world_size=world_size,
@@ -369,6 +332,7 @@ class WeightClient:
         *,
         model: str | None = None,
         names: Iterable[str] | None = None,
+        into: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """The layout's slices, streamed and digest-checked, on the CPU.
 
@@ -391,6 +355,7 @@ class WeightClient:
             stats=self.retry_stats,
             report=report,
             on_tensor=self.on_tensor,
+            into=into,
         )
 
     def load_into(
@@ -401,24 +366,34 @@ class WeightClient:
         *,
         model: str | None = None,
         strict: bool = True,
-    ) -> None:
-        """Fetch this rank's slices and load them into ``module``.
+        transport: Transport = "auto",
+        in_place: bool = True,
+    ) -> FetchInfo:
+        """Fetch this rank's slices and load them into ``module``; how it was served.
 
         With ``strict``, every parameter and buffer the module has must be fetched,
         except parameters tied to (the very same object as) a fetched one, such as
         ``lm_head.weight`` under ``tie_word_embeddings``; and every fetched tensor
         must exist in the module.
+
+        Over gRPC, ``in_place`` receives each slice straight into the module's own CPU
+        parameter when dtype and shape match exactly: no second copy of the rank in
+        memory. The price: if the fetch fails, the module may be left partly
+        overwritten. Pass ``in_place=False`` to reload a module that must stay intact
+        on failure (the rank is then fetched whole first, then copied in). Same-host
+        transports map the shared pack and copy from it either way.
         """
-        state = self.fetch(rank, world_size, model=model)
-        result = module.load_state_dict(state, strict=False)
-        if not strict:
-            return
-        params = dict(module.named_parameters(remove_duplicate=False))
-        loaded_ids = {id(params[n]) for n in state if n in params}
-        missing = [k for k in result.missing_keys if id(params.get(k)) not in loaded_ids]
-        if missing or result.unexpected_keys:
-            raise ValueError(
-                f"state from {self.target} does not match {type(module).__name__}: "
-                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                f"unexpected {result.unexpected_keys[:5]}"
-            )
+        targets = targets_of(module)
+        state, info = self._fetch_negotiated(
+            rank,
+            world_size,
+            model=model,
+            names=None,
+            device="cpu",
+            transport=transport,
+            copy=False,
+            verify=False,
+            into=targets if in_place else None,
+        )
+        apply_fetched(module, state, targets, strict=strict, source=self.target)
+        return info

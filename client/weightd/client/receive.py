@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -36,10 +36,14 @@ class _Incoming:
 
     __slots__ = ("hasher", "name", "nbytes", "received", "storage", "tensor")
 
-    def __init__(self, header: pb.SliceHeader) -> None:
+    def __init__(self, header: pb.SliceHeader, into: torch.Tensor | None = None) -> None:
         self.name = header.name
         dtype, shape = torch_dtype(header.dtype, tuple(header.shape))
-        self.tensor = torch.empty(shape, dtype=dtype)
+        self.tensor = (
+            into
+            if into is not None and fits(into, dtype, shape)
+            else torch.empty(shape, dtype=dtype)
+        )
         self.nbytes = header.nbytes
         actual = self.tensor.numel() * self.tensor.element_size()
         if actual != self.nbytes:
@@ -80,11 +84,40 @@ class _Incoming:
         return self.tensor
 
 
-class RankReceiver:
-    """The complete tensors of one rank, gathered from one stream or several."""
+def fits(dest: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether a slice can be received straight into ``dest``'s memory.
 
-    def __init__(self, on_tensor: ProgressFn | None = None) -> None:
+    Only a dense, contiguous CPU tensor of exactly the slice's dtype and shape takes
+    the bytes as they are; anything else (another device, a cast, a view with
+    strides) gets a fresh tensor and is left to the caller's own copy, which casts or
+    refuses as ``load_state_dict`` does.
+    """
+    return (
+        dest.device.type == "cpu"
+        and dest.layout == torch.strided
+        and dest.dtype == dtype
+        and tuple(dest.shape) == shape
+        and dest.is_contiguous()
+        and not dest.is_quantized
+        and not dest.is_neg()
+        and not dest.is_conj()
+    )
+
+
+class RankReceiver:
+    """The complete tensors of one rank, gathered from one stream or several.
+
+    ``into``: tensors (by name) to receive slices into instead of fresh memory, where
+    they fit (:func:`fits`). Loading a module this way skips a fresh allocation and a
+    copy per tensor and never holds the rank twice. The price: a fetch that fails
+    may leave some of them overwritten, with bytes that were not checked.
+    """
+
+    def __init__(
+        self, on_tensor: ProgressFn | None = None, into: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
         self.on_tensor = on_tensor
+        self.into = into or {}
         self.tensors: dict[str, torch.Tensor] = {}
         #: The model content the tensors came from (FetchResponse.model_fingerprint).
         self.fingerprint = ""
@@ -159,7 +192,7 @@ class RankReceiver:
                 raise DataLossError(
                     f"tensor header {chunk.index} arrived before {current.name!r} was complete"
                 )
-            current = _Incoming(chunk.header)
+            current = _Incoming(chunk.header, self.into.get(chunk.header.name))
         elif current is None:
             raise DataLossError(f"chunk for tensor {chunk.index} arrived before its header")
         current.write(chunk)
@@ -175,7 +208,11 @@ class RankReceiver:
 
 
 def receive_all(stream: Any, first: list[WireResponse] | None = None) -> dict[str, torch.Tensor]:
-    """Every slice of one Fetch-format stream, digest-checked; never a partial result."""
+    """Every slice of one Fetch-format stream, digest-checked; never a partial result.
+
+    ``first``, when given (empty), receives the stream's first message (FetchAdapter
+    names the adapter version there).
+    """
     receiver = RankReceiver()
     receiver.consume(stream)
     if first is not None and receiver.first is not None:

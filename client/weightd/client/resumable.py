@@ -9,6 +9,7 @@ attempt, so a rank is never assembled from two versions. What a fetch cost is in
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +42,13 @@ def fetch_resumable(
     stats: RetryStats,
     report: ResumeReport,
     on_tensor: ProgressFn | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of ``request``'s rank, digest-checked, resumed across failures."""
-    receiver = RankReceiver(on_tensor)
+    """Every tensor of ``request``'s rank, digest-checked, resumed across failures.
+
+    ``into``: tensors to receive into where they fit (see :class:`RankReceiver`).
+    """
+    receiver = RankReceiver(on_tensor, into)
 
     def stream_once() -> None:
         ask = pb.FetchRequest()

@@ -1,0 +1,62 @@
+"""What the daemon says about its models (ListModels, DescribeModel), as plain values.
+
+Separate from ``client`` so that code handling descriptions (tools, tests) does not
+need the connection class, and the connection class stays about connections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightd.v1 import weightd_pb2 as pb
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    total_bytes: int
+    num_tensors: int
+    ready: bool
+    #: "loading", "ready", "stale" (still serving its verified files, replaced on disk)
+    #: or "broken"; "" from a daemon that predates the field.
+    state: str = ""
+    reason: str = ""  # why, when not ready: names the file and what changed
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: str
+    nbytes: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    name: str
+    architecture: str
+    config_json: str
+    total_bytes: int
+    tensors: tuple[TensorInfo, ...]
+
+
+def model_info_of(m: pb.ModelSummary) -> ModelInfo:
+    return ModelInfo(
+        m.name, m.architecture, m.total_bytes, m.num_tensors, m.ready, m.state, m.reason
+    )
+
+
+def description_of(d: pb.ModelDescription) -> ModelDescription:
+    return ModelDescription(
+        d.name,
+        d.architecture,
+        d.config_json,
+        d.total_bytes,
+        tuple(
+            TensorInfo(t.name, t.dtype, tuple(t.shape), t.shard, t.nbytes, t.digest)
+            for t in d.tensors
+        ),
+    )
