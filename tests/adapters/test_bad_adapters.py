@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from tests.adapters.conftest import Fixture
 from weightd.server.adapters.load import load_adapter
 from weightd.server.adapters.registry import AdapterRegistry
-from weightd.server.checkpoint import Checkpoint, load_checkpoint
+from weightd.server.checkpoint import Checkpoint
+from weightd.server.checkpoint_scan import load_checkpoint
 from weightd.server.errors import (
     AdapterBaseMismatch,
     AdapterConfigError,

@@ -14,7 +14,8 @@ from weightd.server.adapters.config import AdapterConfig
 from weightd.server.adapters.load import LoadedAdapter, load_adapter
 from weightd.server.adapters.plan import plan_adapter
 from weightd.server.adapters.registry import AdapterRegistry
-from weightd.server.checkpoint import Checkpoint, load_checkpoint
+from weightd.server.checkpoint import Checkpoint
+from weightd.server.checkpoint_scan import load_checkpoint
 from weightd.server.errors import AdapterBudgetExhausted, AdapterNotFound
 from weightd.server.rules_builtin import rules_for
 

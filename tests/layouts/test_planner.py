@@ -188,7 +188,7 @@ def test_anchor_digests_every_peer_of_a_stacked_expert_cut(tmp_path: Any) -> Non
 
     from safetensors.torch import save_file
 
-    from weightd.server.checkpoint import load_checkpoint
+    from weightd.server.checkpoint_scan import load_checkpoint
     from weightd.server.integrity import anchor_slices, hash_checkpoint
 
     config, specs = VARIANTS["stacked-experts"]

@@ -321,7 +321,7 @@ def test_version_difference_compares_tensors_not_files() -> None:
 def test_store_serving_check_ignores_ctime_but_load_time_check_does_not(
     transformers_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    from weightd.server.checkpoint import load_checkpoint
+    from weightd.server.checkpoint_scan import load_checkpoint
     from weightd.server.errors import DataIntegrityError
 
     model = tmp_path / "m"

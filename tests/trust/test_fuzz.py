@@ -176,7 +176,7 @@ def real_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _headers(d: Path) -> dict[str, Any]:
-    from weightd.server.checkpoint import read_header
+    from weightd.server.checkpoint_scan import read_header
     from weightd.server.store import ShardStore
 
     store = ShardStore(str(d))
@@ -210,7 +210,7 @@ def test_mutated_indexes(real_checkpoint: Path, text: str) -> None:
 @FUZZ
 @given(text=mutated_json(craft.CONFIG))
 def test_mutated_configs(real_checkpoint: Path, text: str) -> None:
-    from weightd.server.checkpoint import scan_checkpoint
+    from weightd.server.checkpoint_scan import scan_checkpoint
 
     scan = scan_checkpoint(str(real_checkpoint))
     scan.store.close()

@@ -18,14 +18,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightd.server import checkpoint as checkpoint_mod
-from weightd.server import integrity
-from weightd.server.checkpoint import (
-    INDEX_FILE,
-    Checkpoint,
-    TensorInfo,
-    load_checkpoint,
-)
+from weightd.server import checkpoint_scan, integrity
+from weightd.server.checkpoint import INDEX_FILE, Checkpoint, TensorInfo
+from weightd.server.checkpoint_scan import load_checkpoint
 from weightd.server.errors import (
     CheckpointError,
     ConfigSyntaxError,
@@ -322,7 +317,7 @@ def test_json_files_above_the_size_limit(tmp_path: Path, monkeypatch: pytest.Mon
     # The size cap has no rule-family type of its own: read_small raises the base class
     # for config.json and the index alike.
     root = write_model(tmp_path / "m", split_in_two(llama_tensors()))
-    monkeypatch.setattr(checkpoint_mod, "MAX_JSON_BYTES", 64)
+    monkeypatch.setattr(checkpoint_scan, "MAX_JSON_BYTES", 64)
     (root / "config.json").write_text(json.dumps({"pad": "x" * 100}))
     with pytest.raises(CheckpointError, match="64-byte limit") as info:
         load_checkpoint(str(root))

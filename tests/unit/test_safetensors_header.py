@@ -44,7 +44,7 @@ PATH = "/models/demo/model-00001-of-00002.safetensors"
 
 
 def parse_file(path: str, blob: bytes) -> Header:
-    """What the loader does (checkpoint.read_header), on the whole file's bytes."""
+    """What the loader does (checkpoint_scan.read_header), on the whole file's bytes."""
     length = header_length(path, blob[:8], len(blob))
     return parse_header(path, blob[8 : 8 + length], len(blob))
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .checkpoint import Checkpoint, load_checkpoint
+from .checkpoint import Checkpoint
+from .checkpoint_scan import load_checkpoint
 from .layout import Layout, every_rank, stage_ranges
 from .rules import ArchRules
 from .rules_builtin import rules_for

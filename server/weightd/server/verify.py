@@ -6,7 +6,7 @@ it). It goes as far as it usefully can and collects every problem on the way:
 
 1. trust sources: the manifest is parsed and its signature checked before anything
    is hashed (a bad signature makes hashing pointless);
-2. structure: index, every shard header, cross-checks (see :mod:`.checkpoint`);
+2. structure: index, every shard header, cross-checks (see :mod:`.checkpoint_scan`);
 3. config: parameter names, shapes and dtypes (see :mod:`.config_check`);
 4. digests: one pass per shard for SHA-256 and per-tensor BLAKE3 (or the hash
    cache, when the shard's fstat key is unchanged);
@@ -26,7 +26,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .checkpoint import Checkpoint, Scan, scan_checkpoint
+from .checkpoint import Checkpoint
+from .checkpoint_scan import Scan, scan_checkpoint
 from .config_check import check_layout
 from .errors import CheckpointError, ManifestSyntaxError, WeightdError
 from .hashcache import CacheEntry, HashCache

@@ -21,7 +21,8 @@ import blake3
 
 from weightd.common.digests import format_digest
 
-from ..checkpoint import Checkpoint, read_small
+from ..checkpoint import Checkpoint
+from ..checkpoint_scan import read_small
 from ..errors import (
     AdapterError,
     AdapterFormatError,

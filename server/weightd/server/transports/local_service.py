@@ -10,7 +10,8 @@ model's config and verified tensor digests, so a reload with identical bytes kee
 its packs and a changed model never reuses a stale one. A GPU pack is built from the
 host pack (which must therefore fit the shared-memory budget too). LoRA adapter packs
 (``AcquirePack.adapter``) live in the same caches and budgets, keyed by adapter version
-instead; their rules are in :mod:`weightd.server.adapters.packs`.
+instead; their rules are in :mod:`weightd.server.adapters.packs`. What a grant says
+(the pack records, the leases held, the ``PackGrant`` itself) is in :mod:`.grants`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Final
 
 import grpc
@@ -34,7 +35,6 @@ from weightd.v1 import weightd_pb2 as pb
 
 from ..adapters.packs import (
     AdapterPackLease,
-    AdapterTag,
     adapter_key,
     adapter_key_matches,
     adapter_tag,
@@ -53,8 +53,9 @@ from ..errors import (
 )
 from ..models import LoadedModel, ModelRegistry
 from ..pack_cache import Lease, PackCache
-from ..packs import AnchorFn, HostPack, PackEntry, build_host_pack, layout_pack
+from ..packs import AnchorFn, HostPack, build_host_pack, layout_pack
 from .cuda_ipc import CudaPack, CudaPlacer
+from .grants import Held, Outcome, PackInfo, answer
 from .options import LocalConfig
 from .pinned import HostPinner
 
@@ -63,58 +64,12 @@ log = logging.getLogger("weightd.local")
 PROTOCOL_VERSION: Final = 1
 
 
-@dataclass(frozen=True, slots=True)
-class PackInfo:
-    """What stats report about a pack (its key holds the model fingerprint instead)."""
-
-    model: str
-    tp_size: int
-    tp_rank: int
-    placement: lpb.Placement.ValueType
-    gpu_uuid: str = ""
-    adapter: AdapterTag | None = None  # an adapter pack: the version it holds
-
-
-#: A lease the side socket holds for a connection: on a base pack, or on an adapter
-#: pack together with its adapter version.
-Held = Lease[HostPack] | Lease[CudaPack] | AdapterPackLease
-
-
-@dataclass
-class Outcome:
-    """An answer, the descriptors to pass with it, and the lease the connection now holds."""
-
-    response: lpb.LocalResponse
-    fds: list[int]
-    lease: Held | None = None
-
-
 def model_fingerprint(model: LoadedModel) -> str:
     """Identity of what a model's packs contain: its config and every verified tensor."""
     h = hashlib.sha256(model.checkpoint.config_json.encode())
     for t in model.checkpoint.tensors.values():
         h.update(f"\0{t.name}\0{t.dtype}\0{t.shape}\0{model.tensor_digests[t.name]}".encode())
     return h.hexdigest()
-
-
-def _entries(entries: tuple[PackEntry, ...], names: list[str]) -> list[lpb.PackEntry]:
-    chosen = entries
-    if names:
-        by_name = {e.name: e for e in entries}
-        chosen = tuple(by_name[n] for n in names)  # names were checked by the planner
-    return [
-        lpb.PackEntry(
-            name=e.name,
-            dtype=e.dtype,
-            shape=e.shape,
-            offset=e.offset,
-            nbytes=e.nbytes,
-            digest=e.digest,
-            split_dim=e.split_dim,
-            replicated=e.replicated,
-        )
-        for e in chosen
-    ]
 
 
 class PackService:
@@ -248,8 +203,8 @@ class PackService:
         info = PackInfo(model.name, ws, rank, lpb.PLACEMENT_HOST)
         host = self.host.acquire(key, size, info, build)
         if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
-            return self._answer(host, list(req.names))
-        return self._answer(self._place(req, host, key, info), list(req.names))
+            return answer(self.boot_id, host, list(req.names))
+        return answer(self.boot_id, self._place(req, host, key, info), list(req.names))
 
     def _acquire_adapter(self, req: lpb.AcquirePack) -> Outcome:
         """The current version of adapter ``req.adapter``: its pack, leased with the version."""
@@ -287,7 +242,7 @@ class PackService:
             version.release()
             raise
         held: Held = AdapterPackLease(lease, version)
-        return self._answer(held, [])
+        return answer(self.boot_id, held, [])
 
     def _place(
         self, req: lpb.AcquirePack, host: Lease[HostPack], key: Hashable, info: PackInfo
@@ -334,7 +289,7 @@ class PackService:
         info = lease.info
         assert isinstance(info, PackInfo)
         if info.adapter is None or self.adapters is None:
-            return self._answer(lease, list(req.names))
+            return answer(self.boot_id, lease, list(req.names))
         tag = info.adapter
         try:
             version = self.adapters.registry.lease_version(tag.name, tag.version)
@@ -346,41 +301,7 @@ class PackService:
                 "which is no longer held: fetch again"
             ) from None
         held: Held = AdapterPackLease(lease, version)
-        return self._answer(held, list(req.names))
-
-    def _answer(self, lease: Held, names: list[str]) -> Outcome:
-        """The grant for a lease (entries for ``names``, or all), with what it must carry."""
-        info = lease.info
-        assert isinstance(info, PackInfo)
-        pack = lease.pack
-        assert isinstance(pack, HostPack | CudaPack)
-        grant = lpb.PackGrant(
-            boot_id=self.boot_id,
-            pack_id=lease.pack_id,
-            model=info.model,
-            layout=pb.Layout(tp_size=info.tp_size, tp_rank=info.tp_rank),
-            placement=info.placement,
-            size_bytes=pack.size,
-            entries=_entries(pack.entries, names),
-            built=lease.built,
-        )
-        if info.adapter is not None:
-            tag = info.adapter
-            grant.adapter.CopyFrom(
-                pb.AdapterInfo(
-                    name=tag.name,
-                    version=tag.version,
-                    digest=tag.digest,
-                    base_model=tag.base_model,
-                    scaling=dict(tag.scaling),
-                )
-            )
-        if isinstance(pack, HostPack):
-            grant.pinned = pack.pinned
-            return Outcome(lpb.LocalResponse(grant=grant), [pack.fd], lease)
-        grant.cuda_ipc_handle = pack.handle
-        grant.gpu_uuid = pack.gpu_uuid
-        return Outcome(lpb.LocalResponse(grant=grant), [], lease)
+        return answer(self.boot_id, held, list(req.names))
 
     # --- upkeep ----------------------------------------------------------------------------
 

@@ -1,0 +1,104 @@
+"""What the side channel hands out: pack records, leases held, and the grants written from them.
+
+:class:`PackInfo` is what a cached pack is recorded as, :data:`Held` is the lease a
+connection keeps, and :func:`answer` writes a lease down as the ``PackGrant`` (with
+its table of entries) that a client attaches from.
+
+Why apart from :mod:`.local_service`: that module decides *which* pack a request gets
+(resolve, plan, key, cache, place, lease); this one is only the wire form of the
+result, the contract the client's attach code reads, so it can be read and changed
+in one place without the caching logic around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightd.v1 import local_pb2 as lpb
+from weightd.v1 import weightd_pb2 as pb
+
+from ..adapters.packs import AdapterPackLease, AdapterTag
+from ..pack_cache import Lease
+from ..packs import HostPack, PackEntry
+from .cuda_ipc import CudaPack
+
+
+@dataclass(frozen=True, slots=True)
+class PackInfo:
+    """What stats report about a pack (its key holds the model fingerprint instead)."""
+
+    model: str
+    tp_size: int
+    tp_rank: int
+    placement: lpb.Placement.ValueType
+    gpu_uuid: str = ""
+    adapter: AdapterTag | None = None  # an adapter pack: the version it holds
+
+
+#: A lease the side socket holds for a connection: on a base pack, or on an adapter
+#: pack together with its adapter version.
+Held = Lease[HostPack] | Lease[CudaPack] | AdapterPackLease
+
+
+@dataclass
+class Outcome:
+    """An answer, the descriptors to pass with it, and the lease the connection now holds."""
+
+    response: lpb.LocalResponse
+    fds: list[int]
+    lease: Held | None = None
+
+
+def _entries(entries: tuple[PackEntry, ...], names: list[str]) -> list[lpb.PackEntry]:
+    chosen = entries
+    if names:
+        by_name = {e.name: e for e in entries}
+        chosen = tuple(by_name[n] for n in names)  # names were checked by the planner
+    return [
+        lpb.PackEntry(
+            name=e.name,
+            dtype=e.dtype,
+            shape=e.shape,
+            offset=e.offset,
+            nbytes=e.nbytes,
+            digest=e.digest,
+            split_dim=e.split_dim,
+            replicated=e.replicated,
+        )
+        for e in chosen
+    ]
+
+
+def answer(boot_id: str, lease: Held, names: list[str]) -> Outcome:
+    """The grant for a lease (entries for ``names``, or all), with what it must carry."""
+    info = lease.info
+    assert isinstance(info, PackInfo)
+    pack = lease.pack
+    assert isinstance(pack, HostPack | CudaPack)
+    grant = lpb.PackGrant(
+        boot_id=boot_id,
+        pack_id=lease.pack_id,
+        model=info.model,
+        layout=pb.Layout(tp_size=info.tp_size, tp_rank=info.tp_rank),
+        placement=info.placement,
+        size_bytes=pack.size,
+        entries=_entries(pack.entries, names),
+        built=lease.built,
+    )
+    if info.adapter is not None:
+        tag = info.adapter
+        grant.adapter.CopyFrom(
+            pb.AdapterInfo(
+                name=tag.name,
+                version=tag.version,
+                digest=tag.digest,
+                base_model=tag.base_model,
+                scaling=dict(tag.scaling),
+            )
+        )
+    if isinstance(pack, HostPack):
+        grant.pinned = pack.pinned
+        return Outcome(lpb.LocalResponse(grant=grant), [pack.fd], lease)
+    grant.cuda_ipc_handle = pack.handle
+    grant.gpu_uuid = pack.gpu_uuid
+    return Outcome(lpb.LocalResponse(grant=grant), [], lease)
