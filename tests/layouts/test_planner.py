@@ -19,7 +19,8 @@ from tests.layouts.fakes import as_bytes, fake_checkpoint
 from tests.layouts.specs import VARIANTS
 from weightd.server.layout import Layout, every_rank, stage_ranges
 from weightd.server.rules_builtin import BUILTIN_TABLES, rules_for
-from weightd.server.sharding import peer_slices, plan
+from weightd.server.sharding import plan
+from weightd.server.slices import peer_slices
 
 DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (8, 1, 1), (1, 2, 1), (2, 3, 1), (4, 2, 1)]
 MOE_LAYOUTS = [*DENSE_LAYOUTS, (1, 1, 2), (2, 1, 2), (1, 1, 4), (2, 2, 2), (4, 1, 4), (8, 3, 2)]

@@ -6,7 +6,7 @@ import pytest
 
 from weightd.server.packs import PACK_ALIGN, layout_pack
 from weightd.server.runs import whole_pattern
-from weightd.server.sharding import TensorSlice
+from weightd.server.slices import TensorSlice
 
 
 def _slice(nbytes: int) -> TensorSlice:

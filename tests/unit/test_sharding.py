@@ -33,8 +33,8 @@ from weightd.server.sharding import (
     Split,
     plan_rank,
     rules_for,
-    slice_tensor,
 )
+from weightd.server.slices import slice_tensor
 
 DATA_START = 200  # a made-up header size: tensors start at absolute offsets >= this
 NUMPY_FOR = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -1,16 +1,20 @@
-"""The ``weightd`` command line. Failures print one line, never a traceback."""
+"""The ``weightd`` command line. Failures print one line, never a traceback.
+
+This file registers every command, dispatches, and runs the local ones (``serve``,
+``plan``, ``demo-checkpoint``); the commands that are clients of a running daemon
+are in ``cli_client``, the trust commands in ``cli_trust``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
-import grpc
-
+from .cli_client import add_fetch_parser, run_describe, run_fetch, run_health, run_list, run_reload
+from .cli_client import add_parsers as add_client_parsers
 from .cli_trust import add_parsers as add_trust_parsers
 from .cli_trust import add_serve_options, run_manifest, run_verify, serve_verify_options
 from .errors import WeightdError
@@ -94,15 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_options(s)
     add_local_arguments(s)
 
-    f = sub.add_parser("fetch", help="fetch one rank's slices into a safetensors file")
-    f.add_argument("target", help="daemon address, e.g. unix:///run/weightd/weightd.sock")
-    f.add_argument("--rank", type=int, required=True)
-    f.add_argument("--world-size", type=int, required=True)
-    f.add_argument("--model", default=None)
-    f.add_argument("--name", action="append", dest="names", help="only this tensor (repeatable)")
-    f.add_argument("--out", required=True, help="output .safetensors file")
-    f.add_argument("--timeout", type=float, default=None)
-    _add_client_tls_args(f)
+    add_fetch_parser(sub)
 
     pl = sub.add_parser("plan", help="show each worker's share of a checkpoint under a layout")
     pl.add_argument("directory", help="checkpoint directory (only headers are read)")
@@ -120,27 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--tensors", action="store_true", help="list every rank's tensors")
 
-    ls = sub.add_parser("list", help="list the models a daemon serves")
-    ls.add_argument("target")
-    _add_client_tls_args(ls)
-
-    d = sub.add_parser("describe", help="describe a served model's tensors")
-    d.add_argument("target")
-    d.add_argument("--model", default=None)
-    d.add_argument("--json", action="store_true")
-    _add_client_tls_args(d)
-
-    h = sub.add_parser("health", help="exit 0 when the daemon reports SERVING (gRPC health)")
-    h.add_argument("target")
-    h.add_argument("--service", default="", help="'' overall, or weightd.v1.Weights/MODEL")
-    h.add_argument("--wait", type=float, default=0.0, help="keep polling up to this many seconds")
-    _add_client_tls_args(h)
-
-    r = sub.add_parser("reload", help="re-verify a model from disk (admin listener only)")
-    r.add_argument("target", help="the admin address, e.g. unix:///run/weightd/admin.sock")
-    r.add_argument("--model", default=None)
-    r.add_argument("--timeout", type=float, default=None)
-    _add_client_tls_args(r)
+    add_client_parsers(sub)
 
     demo = sub.add_parser(
         "demo-checkpoint", help="create (if needed) and print the demo checkpoint"
@@ -194,23 +170,6 @@ def _add_ops_args(s: argparse.ArgumentParser) -> None:
         help="cancel a Fetch stream running longer than this, whatever the client's deadline "
         "(0: no cap)",
     )
-
-
-def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this CA (PEM)")
-    p.add_argument("--tls-cert", default=None, help="client certificate for mutual TLS (PEM)")
-    p.add_argument("--tls-key", default=None, help="client key for --tls-cert (PEM)")
-
-
-def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
-    if args.tls_ca is None and args.tls_cert is None:
-        return None
-    from weightd.client import tls_credentials
-
-    try:
-        return tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
-    except ValueError as exc:
-        raise WeightdError(str(exc)) from None
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -285,112 +244,6 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
-def _fetch(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
-
-    from weightd.client import WeightClient
-
-    from .atomicio import atomic_output
-
-    creds = _credentials(args)
-    with WeightClient(args.target, timeout=args.timeout, credentials=creds) as client:
-        state = client.fetch(args.rank, args.world_size, model=args.model, names=args.names)
-    # Written aside and renamed: a full disk leaves the previous file, no partial one.
-    with atomic_output(args.out) as tmp:
-        save_file(
-            state,
-            tmp,
-            metadata={"weightd_rank": str(args.rank), "weightd_world_size": str(args.world_size)},
-        )
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    where = f"rank {args.rank}/{args.world_size}"
-    print(f"wrote {len(state)} tensors, {total} bytes, {where} -> {args.out}")
-    return 0
-
-
-def _list(args: argparse.Namespace) -> int:
-    from weightd.client import WeightClient
-
-    with WeightClient(args.target, credentials=_credentials(args)) as client:
-        for m in client.list_models():
-            state = "ready" if m.ready else "not ready"
-            if m.state and m.state not in ("ready", "loading"):
-                state = f"{m.state}: {m.reason}"
-            size = f"{m.num_tensors} tensors\t{m.total_bytes} bytes"
-            print(f"{m.name}\t{m.architecture}\t{size}\t{state}")
-    return 0
-
-
-def _describe(args: argparse.Namespace) -> int:
-    from weightd.client import WeightClient
-
-    with WeightClient(args.target, credentials=_credentials(args)) as client:
-        d = client.describe(args.model)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "name": d.name,
-                    "architecture": d.architecture,
-                    "total_bytes": d.total_bytes,
-                    "tensors": [t.__dict__ | {"shape": list(t.shape)} for t in d.tensors],
-                },
-                indent=2,
-            )
-        )
-        return 0
-    print(f"{d.name} ({d.architecture}): {len(d.tensors)} tensors, {d.total_bytes} bytes")
-    for t in d.tensors:
-        print(f"  {t.name}\t{t.dtype}\t{list(t.shape)}\t{t.shard}\t{t.digest[:23]}...")
-    return 0
-
-
-def _health(args: argparse.Namespace) -> int:
-    import time
-
-    from grpc_health.v1 import health_pb2
-
-    deadline = time.monotonic() + args.wait
-    status = "UNREACHABLE"
-    creds = _credentials(args)
-    channel = (
-        grpc.insecure_channel(args.target)
-        if creds is None
-        else grpc.secure_channel(args.target, creds)
-    )
-    with channel:
-        # Called by method path: the typeshed stub of HealthStub lacks its methods.
-        check = channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString,
-        )
-        while True:
-            try:
-                reply = check(health_pb2.HealthCheckRequest(service=args.service), timeout=2)
-                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.RpcError as exc:
-                status = f"UNREACHABLE ({exc.code().name})"
-            if status == "SERVING" or time.monotonic() >= deadline:
-                break
-            time.sleep(0.2)
-    print(f"{args.target} {args.service or '(overall)'}: {status}")
-    return 0 if status == "SERVING" else 1
-
-
-def _reload(args: argparse.Namespace) -> int:
-    from weightd.client import AdminClient
-
-    creds = _credentials(args)
-    with AdminClient(args.target, timeout=args.timeout, credentials=creds) as admin:
-        r = admin.reload(args.model)
-    print(
-        f"reloaded {r.model}: {r.num_tensors} tensors, {r.total_bytes} bytes verified in "
-        f"{r.verify_seconds:.2f}s"
-    )
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .logs import setup_logging
@@ -408,17 +261,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "fetch":
-            return _fetch(args)
+            return run_fetch(args)
         if args.command == "plan":
             return _plan(args)
         if args.command == "list":
-            return _list(args)
+            return run_list(args)
         if args.command == "describe":
-            return _describe(args)
+            return run_describe(args)
         if args.command == "health":
-            return _health(args)
+            return run_health(args)
         if args.command == "reload":
-            return _reload(args)
+            return run_reload(args)
         if args.command == "verify":
             return run_verify(args)
         if args.command == "manifest":

@@ -152,7 +152,7 @@ def anchor_slices(
 class SliceAnchors:
     """Cache of anchored slice digests, keyed by (tensor, partition); concurrent asks coalesce.
 
-    A partition (``sharding.Partition.key``) identifies one cut of a tensor and all its
+    A partition (``slices.Partition.key``) identifies one cut of a tensor and all its
     peer slices, whatever pipeline stage or expert rank asks for them.
     """
 

@@ -38,7 +38,8 @@ from weightd.common.digests import slice_digest
 
 from .errors import DataIntegrityError, PackMemoryExhausted
 from .models import LoadedModel
-from .sharding import RankPlan, TensorSlice
+from .sharding import RankPlan
+from .slices import TensorSlice
 
 #: Every tensor in a pack starts at a multiple of this many bytes.
 PACK_ALIGN: Final = 256

@@ -21,7 +21,8 @@ from .layout import Layout
 from .models import LoadedModel, ModelRegistry
 from .resume import fingerprint, resume_start
 from .runs import RunPattern
-from .sharding import RankPlan, TensorSlice, peer_slices
+from .sharding import RankPlan
+from .slices import TensorSlice, peer_slices
 
 log = logging.getLogger("weightd.service")
 

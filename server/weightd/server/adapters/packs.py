@@ -29,7 +29,7 @@ from weightd.common.digests import slice_digest
 
 from .. import pack_cache
 from ..packs import HostPack, build_pack
-from ..sharding import TensorSlice
+from ..slices import TensorSlice
 from .plan import AdapterSlicePlan
 from .registry import AdapterVersion, Lease
 

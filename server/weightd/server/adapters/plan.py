@@ -26,8 +26,9 @@ from ..layout import Layout
 from ..quant import geometry
 from ..rules import ArchRules, Split
 from ..runs import block_pattern, whole_pattern
-from ..sharding import WHOLE, Partition, TensorSlice, check_layout
 from ..sharding import _rules_or_fail as rules_or_fail
+from ..sharding import check_layout
+from ..slices import WHOLE, Partition, TensorSlice
 from ..tpcut import logical_blocks
 from .verify import AdapterModule
 
