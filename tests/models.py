@@ -171,3 +171,16 @@ def split_dim(name: str) -> int | None:
     ):
         return 0
     return None
+
+
+def spy_load_state_dict(module: torch.nn.Module) -> list[set[str]]:
+    """Record the names each ``load_state_dict`` call on ``module`` is given."""
+    calls: list[set[str]] = []
+    original = module.load_state_dict
+
+    def spy(state: Any, strict: bool = True, assign: bool = False) -> Any:
+        calls.append(set(state))
+        return original(state, strict=strict, assign=assign)
+
+    module.load_state_dict = spy  # type: ignore[method-assign]
+    return calls

@@ -6,14 +6,20 @@ import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 import torch
 
 from tests.conftest import RunningDaemon, run_daemon, weightd_command
-from tests.models import CONFIGS, build_model, expected_slice, read_checkpoint, split_dim
+from tests.models import (
+    CONFIGS,
+    build_model,
+    expected_slice,
+    read_checkpoint,
+    split_dim,
+    spy_load_state_dict,
+)
 from weightd.client import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -83,19 +89,6 @@ def test_every_rank_gets_exactly_its_slice(
         assert torch.equal(torch.cat(parts, dim), full), name
 
 
-def _spy_load_state_dict(module: torch.nn.Module) -> list[set[str]]:
-    """Record the names each ``load_state_dict`` call on ``module`` is given."""
-    calls: list[set[str]] = []
-    original = module.load_state_dict
-
-    def spy(state: Any, strict: bool = True, assign: bool = False) -> Any:
-        calls.append(set(state))
-        return original(state, strict=strict, assign=assign)
-
-    module.load_state_dict = spy  # type: ignore[method-assign]
-    return calls
-
-
 @pytest.mark.parametrize(
     ("transport", "in_place", "copied_by_torch"),
     [("auto", True, "all"), ("grpc", True, "none"), ("grpc", False, "all")],
@@ -116,7 +109,7 @@ def test_world_size_1_logits_match_from_pretrained(
     kind, overrides = CONFIGS[model]
     fresh = build_model(kind, overrides, seed=123)  # different weights until loaded
     storage = {n: t.data_ptr() for n, t in fresh.state_dict().items()}
-    calls = _spy_load_state_dict(fresh)
+    calls = spy_load_state_dict(fresh)
     info = client.load_into(
         fresh, rank=0, world_size=1, model=model, transport=transport, in_place=in_place
     )
@@ -141,7 +134,7 @@ def test_load_into_copies_what_does_not_fit_in_place(
     """A float64 module cannot take the checkpoint's bytes as they are: torch casts them."""
     kind, overrides = CONFIGS["llama"]
     fresh = build_model(kind, overrides, seed=7).double()
-    calls = _spy_load_state_dict(fresh)
+    calls = spy_load_state_dict(fresh)
     client.load_into(fresh, rank=0, world_size=1, model="llama", transport="grpc")
     want = read_checkpoint(transformers_models["llama"])
     assert calls == [set(want)]  # nothing fitted: every tensor went through torch

@@ -28,6 +28,7 @@ import torch
 
 from bench.loadgen import reference_slices
 from tests.conftest import RunningDaemon, run_daemon
+from tests.models import spy_load_state_dict
 from tests.reliability.load_support import many_tensor_model, write_many_tensor_model
 from weightd.client import RetryPolicy, WeightClient
 from weightd.v1 import weightd_pb2 as pb
@@ -58,10 +59,18 @@ class Pause:
             assert self.go.wait(120), "the test never let the fetch go on"
 
 
-def _fetch_in_thread(client: WeightClient, out: dict[str, Any]) -> threading.Thread:
+def _fetch_in_thread(
+    client: WeightClient, out: dict[str, Any], module: torch.nn.Module | None = None
+) -> threading.Thread:
+    """Fetch the rank over gRPC; or, given ``module``, load it into it in place."""
+
     def run() -> None:
         try:
-            out["state"] = client.fetch(RANK, WORLD, transport="grpc")
+            if module is None:
+                out["state"] = client.fetch(RANK, WORLD, transport="grpc")
+            else:
+                client.load_into(module, RANK, WORLD, transport="grpc", in_place=True)
+                out["state"] = module.state_dict()
         except Exception as exc:
             out["error"] = exc
 
@@ -86,7 +95,10 @@ def _resumed_lines(daemon: RunningDaemon) -> list[tuple[int, int]]:
 
 
 def _restart_mid_stream(
-    tmp_path: Path, model: Path, between: Callable[[], None] = lambda: None
+    tmp_path: Path,
+    model: Path,
+    between: Callable[[], None] = lambda: None,
+    module: torch.nn.Module | None = None,
 ) -> tuple[WeightClient, dict[str, Any], RunningDaemon]:
     """Fetch; SIGKILL the daemon after tensor PAUSE_AT; ``between()``; start it again."""
     pause = Pause(PAUSE_AT)
@@ -97,7 +109,7 @@ def _restart_mid_stream(
             options=OPTIONS,
         )  # fmt: skip
         out: dict[str, Any] = {}
-        thread = _fetch_in_thread(client, out)
+        thread = _fetch_in_thread(client, out, module)
         assert pause.reached.wait(120), out
         first.process.send_signal(signal.SIGKILL)
         assert first.process.wait(30) == -signal.SIGKILL
@@ -151,6 +163,34 @@ def test_sigkill_mid_stream_resumes_from_the_last_complete_tensor(
                 list(pb_grpc.WeightsStub(channel).Fetch(request, timeout=30))
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert f"start_index {len(state) + 1} is past" in (info.value.details() or "")
+    finally:
+        client.close()
+        out["daemon_cm"].__exit__(None, None, None)
+
+
+def test_in_place_load_resumes_into_the_same_parameters(
+    many_tensor_model: Path, tmp_path: Path
+) -> None:
+    """``load_into`` receiving into the module's own memory: the tensor cut in flight
+    is written again from its start, into the same parameter, and checked."""
+    from bench.load_into import module_for
+
+    want = reference_slices(str(many_tensor_model), WORLD, RANK)
+    spec = {n: [str(t.dtype).split(".")[1], list(t.shape)] for n, t in want.items()}
+    module = module_for(spec)
+    for p in module.parameters():
+        p.view(torch.uint8).fill_(0xA5)  # not what the daemon will send
+    storage = {n: t.data_ptr() for n, t in module.state_dict().items()}
+    calls = spy_load_state_dict(module)
+    client, out, _ = _restart_mid_stream(tmp_path, many_tensor_model, module=module)
+    try:
+        assert "error" not in out, out.get("error")
+        _bit_exact(out["state"], many_tensor_model)
+        assert {n: t.data_ptr() for n, t in module.state_dict().items()} == storage
+        assert calls == [set()]  # every slice was received in place: torch copied none
+        report = client.last_resume
+        assert report is not None and len(report.resumed_at) == 1, report
+        assert PAUSE_AT + 1 <= report.resumed_at[0] < len(want), report
     finally:
         client.close()
         out["daemon_cm"].__exit__(None, None, None)
