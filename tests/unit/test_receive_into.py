@@ -12,6 +12,10 @@ from weightd.client.receive import RankReceiver, fits
 U8 = torch.uint8
 
 
+class Subclass(torch.Tensor):
+    """Stands for tensor subclasses (DTensor, float8 wrappers) that load_state_dict handles."""
+
+
 @pytest.mark.parametrize(
     ("dest", "ok"),
     [
@@ -23,6 +27,8 @@ U8 = torch.uint8
         (torch.zeros(24, dtype=U8), False),  # same bytes, another shape
         (torch.zeros(4, 6, dtype=U8, device="meta"), False),  # no memory to write
         (torch.zeros(4, 6, dtype=U8).to_sparse(), False),
+        (torch.nn.Parameter(torch.zeros(4, 6, dtype=U8), requires_grad=False), True),
+        (torch.zeros(4, 6, dtype=U8).as_subclass(Subclass), False),  # memory not just bytes
     ],
 )
 def test_fits_only_dense_contiguous_cpu_tensors_of_the_exact_dtype_and_shape(

@@ -3,9 +3,9 @@
 Why a module of its own: loading is where the client meets the user's model, and
 the rules differ from fetching. A gRPC fetch can receive each slice straight into
 the module's own parameter (see ``receive.fits``), which saves a fresh allocation
-and a copy per tensor and means the rank is never held twice in memory; whatever
-did not fit (another device, a dtype to cast, a shared-memory mapping) is copied by
-``load_state_dict`` as usual. Strictness is judged on names, with tied parameters
+and a copy per tensor and means the rank is never held twice in memory. What does
+not fit (another device, a dtype to cast), and whatever a same-host transport mapped,
+is copied in by ``load_state_dict`` as usual. Strictness is judged on names, with tied parameters
 (``lm_head.weight`` under ``tie_word_embeddings``) counted as loaded through the
 object they share.
 """

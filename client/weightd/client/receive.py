@@ -87,13 +87,15 @@ class _Incoming:
 def fits(dest: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether a slice can be received straight into ``dest``'s memory.
 
-    Only a dense, contiguous CPU tensor of exactly the slice's dtype and shape takes
-    the bytes as they are; anything else (another device, a cast, a view with
-    strides) gets a fresh tensor and is left to the caller's own copy, which casts or
+    Only a plain, dense, contiguous CPU tensor of exactly the slice's dtype and shape
+    takes the bytes as they are; anything else (another device, a cast, a view with
+    strides, a tensor subclass such as a DTensor, whose memory is not simply its
+    bytes) gets a fresh tensor and is left to the caller's own copy, which casts or
     refuses as ``load_state_dict`` does.
     """
     return (
-        dest.device.type == "cpu"
+        type(dest) in (torch.Tensor, torch.nn.Parameter)
+        and dest.device.type == "cpu"
         and dest.layout == torch.strided
         and dest.dtype == dtype
         and tuple(dest.shape) == shape
