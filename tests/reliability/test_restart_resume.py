@@ -168,18 +168,25 @@ def test_sigkill_mid_stream_resumes_from_the_last_complete_tensor(
         out["daemon_cm"].__exit__(None, None, None)
 
 
+def _module_like(model_dir: Path) -> torch.nn.Module:
+    """A module with a parameter per tensor of the rank, filled with bytes nobody sends."""
+    from bench.load_into import module_for
+
+    want = reference_slices(str(model_dir), WORLD, RANK)
+    module: torch.nn.Module = module_for(
+        {n: [str(t.dtype).split(".")[1], list(t.shape)] for n, t in want.items()}
+    )
+    for p in module.parameters():
+        p.view(torch.uint8).fill_(0xA5)
+    return module
+
+
 def test_in_place_load_resumes_into_the_same_parameters(
     many_tensor_model: Path, tmp_path: Path
 ) -> None:
     """``load_into`` receiving into the module's own memory: the tensor cut in flight
     is written again from its start, into the same parameter, and checked."""
-    from bench.load_into import module_for
-
-    want = reference_slices(str(many_tensor_model), WORLD, RANK)
-    spec = {n: [str(t.dtype).split(".")[1], list(t.shape)] for n, t in want.items()}
-    module = module_for(spec)
-    for p in module.parameters():
-        p.view(torch.uint8).fill_(0xA5)  # not what the daemon will send
+    module = _module_like(many_tensor_model)
     storage = {n: t.data_ptr() for n, t in module.state_dict().items()}
     calls = spy_load_state_dict(module)
     client, out, _ = _restart_mid_stream(tmp_path, many_tensor_model, module=module)
@@ -190,15 +197,18 @@ def test_in_place_load_resumes_into_the_same_parameters(
         assert calls == [set()]  # every slice was received in place: torch copied none
         report = client.last_resume
         assert report is not None and len(report.resumed_at) == 1, report
-        assert PAUSE_AT + 1 <= report.resumed_at[0] < len(want), report
+        assert PAUSE_AT + 1 <= report.resumed_at[0] < len(storage), report
     finally:
         client.close()
         out["daemon_cm"].__exit__(None, None, None)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["fetch", "load_into-in-place"])
 def test_resume_against_changed_content_restarts_from_zero(
-    many_tensor_model: Path, tmp_path: Path
+    many_tensor_model: Path, tmp_path: Path, in_place: bool
 ) -> None:
+    """In place too: the tensors already written with the old content are all written
+    again, so the module never mixes versions."""
     model = tmp_path / "model"
     shutil.copytree(many_tensor_model, model)
 
@@ -206,7 +216,8 @@ def test_resume_against_changed_content_restarts_from_zero(
         shutil.rmtree(model)
         write_many_tensor_model(model, seed=99)
 
-    client, out, second = _restart_mid_stream(tmp_path, model, replace_checkpoint)
+    module = _module_like(many_tensor_model) if in_place else None
+    client, out, second = _restart_mid_stream(tmp_path, model, replace_checkpoint, module)
     try:
         assert "error" not in out, out.get("error")
         _bit_exact(out["state"], model)  # entirely the new content, nothing of the old
