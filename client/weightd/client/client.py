@@ -35,7 +35,7 @@ from .descriptions import ModelDescription, ModelInfo, description_of, model_inf
 from .errors import InvalidArgumentError, from_rpc_error
 from .fetchwire import RawFetchStub
 from .layout import Layout
-from .loading import apply_fetched, targets_of
+from .loading import apply_fetched
 from .local_fetch import attach_local, negotiated_fetch
 from .receive import ProgressFn
 from .resumable import ResumeReport, fetch_resumable
@@ -383,7 +383,7 @@ class WeightClient:
         on failure (the rank is then fetched whole first, then copied in). Same-host
         transports map the shared pack and copy from it either way.
         """
-        targets = targets_of(module)
+        targets = module.state_dict()  # detached views of its parameters and buffers
         state, info = self._fetch_negotiated(
             rank,
             world_size,

@@ -17,11 +17,6 @@ from collections.abc import Mapping
 import torch
 
 
-def targets_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's parameters and persistent buffers by state-dict name (detached views)."""
-    return dict(module.state_dict())
-
-
 def apply_fetched(
     module: torch.nn.Module,
     state: Mapping[str, torch.Tensor],
