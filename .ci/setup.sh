@@ -30,7 +30,7 @@ if [ "$(cat .venv/.weightd-setup 2>/dev/null || true)" != "$stamp" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1 | grep -v '^WARNING: Location' >&2 || true
   fi
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
-  .venv/bin/python -c "import torch, grpc, weightd.client, weightd.server.cli" \
+  .venv/bin/python -c "import torch, grpc, weightd.client, weightd.server.cli.main" \
     || { echo "setup failed: see pip output above" >&2; exit 1; }
   echo "$stamp" > .venv/.weightd-setup
 fi

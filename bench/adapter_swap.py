@@ -91,7 +91,14 @@ def main() -> None:
         ]
         run = tmp / "run"
         sock = run / "weightd.sock"
-        cmd = [sys.executable, "-m", "weightd.server.cli", "serve", "--listen", f"unix://{sock}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "weightd.server.cli.main",
+            "serve",
+            "--listen",
+            f"unix://{sock}",
+        ]
         cmd += ["--model", f"base={tmp / 'base'}", "--adapter-root", str(tmp / "adapters")]
         log = open(tmp / "daemon.log", "w")  # noqa: SIM115 - closed below
         daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

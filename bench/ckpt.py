@@ -25,7 +25,7 @@ BENCH_CONFIG: dict[str, Any] = {
 
 def write_checkpoint(directory: Path, config: dict[str, Any] = BENCH_CONFIG) -> Path:
     """Write (once) a deterministic random checkpoint with an index; returns ``directory``."""
-    from weightd.server.demo import write_llama_checkpoint
+    from weightd.server.cli.demo import write_llama_checkpoint
 
     if not (directory / "model.safetensors.index.json").exists():
         staging = directory.with_name(f".{directory.name}.{os.getpid()}")

@@ -176,7 +176,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/weightd-bench-2g")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    from weightd.server.verify import VerifyOptions, verify_checkpoint
+    from weightd.server.trust.verify import VerifyOptions, verify_checkpoint
 
     directory = Path(args.dir)
     t = time.perf_counter()
@@ -280,7 +280,7 @@ def serve_until_serving(directory: Path, cache: str, extra: list[str]) -> None:
         cmd = [
             sys.executable,
             "-m",
-            "weightd.server.cli",
+            "weightd.server.cli.main",
             "serve",
             "--model",
             str(directory),

@@ -151,7 +151,7 @@ def start_daemon(
     ``env``: the daemon's environment (None: this process's), e.g. a PYTHONPATH that
     runs another version of weightd side by side.
     """
-    cmd = [sys.executable, "-m", "weightd.server.cli", "serve", "--model", f"bench={ckpt}"]
+    cmd = [sys.executable, "-m", "weightd.server.cli.main", "serve", "--model", f"bench={ckpt}"]
     cmd += ["--listen", listen, *(extra or [])]
     t = time.monotonic()
     with open(log, "wb") as out:

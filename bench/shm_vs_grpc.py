@@ -141,7 +141,7 @@ def start_daemon(
         [
             sys.executable,
             "-m",
-            "weightd.server.cli",
+            "weightd.server.cli.main",
             "serve",
             "--listen",
             f"unix://{sock}",
@@ -170,8 +170,8 @@ def start_daemon(
 
 def layout_note(directory: Path, world_size: int) -> None:
     """Rank packs vs windows onto one whole-model region: bytes, and the copy time."""
-    from weightd.server.models import load_model
-    from weightd.server.packs import layout_pack
+    from weightd.server.packs.build import layout_pack
+    from weightd.server.registry.models import load_model
 
     model = load_model(str(directory))
     try:

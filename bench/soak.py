@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _checkpoint(work: Path) -> Path:
-    from weightd.server.demo import DEMO_CONFIG, write_llama_checkpoint
+    from weightd.server.cli.demo import DEMO_CONFIG, write_llama_checkpoint
 
     model = work / "soak-llama"
     if not (model / "model.safetensors.index.json").exists():

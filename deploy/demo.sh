@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup.sh
-sock=${WEIGHTD_DEMO_SOCKET:-$(.venv/bin/python -c 'from weightd.server.listen import default_socket_path as p; print(p())')}
+sock=${WEIGHTD_DEMO_SOCKET:-$(.venv/bin/python -c 'from weightd.server.daemon.addresses import default_socket_path as p; print(p())')}
 target="unix://$sock"
 .venv/bin/weightd serve --listen "$target" &
 daemon=$!

@@ -82,7 +82,7 @@ def wait_serving(
 
 
 def weightd_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "weightd.server.cli", *args]
+    return [sys.executable, "-m", "weightd.server.cli.main", *args]
 
 
 @contextlib.contextmanager

@@ -19,9 +19,7 @@ from safetensors.torch import load_file, save_file
 from tests.adapters.conftest import Fixture
 from weightd.server.adapters.load import load_adapter
 from weightd.server.adapters.registry import AdapterRegistry
-from weightd.server.checkpoint import Checkpoint
-from weightd.server.checkpoint_scan import load_checkpoint
-from weightd.server.errors import (
+from weightd.server.base.errors import (
     AdapterBaseMismatch,
     AdapterConfigError,
     AdapterDtypeError,
@@ -35,6 +33,8 @@ from weightd.server.errors import (
     PathEscapeError,
     UnsupportedAdapterFeature,
 )
+from weightd.server.checkpoint.description import Checkpoint
+from weightd.server.checkpoint.scan import load_checkpoint
 
 Q = "base_model.model.model.layers.0.self_attn.q_proj"
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from weightd.server.adapters.config import parse_adapter_config
-from weightd.server.errors import AdapterConfigError, UnsupportedAdapterFeature
+from weightd.server.base.errors import AdapterConfigError, UnsupportedAdapterFeature
 
 GOOD: dict[str, Any] = {
     "peft_type": "LORA",

@@ -18,10 +18,10 @@ from tests.adapters.conftest import Fixture
 from tests.models import expected_slice, read_checkpoint
 from weightd.server.adapters.load import LoadedAdapter, load_adapter
 from weightd.server.adapters.plan import plan_adapter
-from weightd.server.checkpoint import Checkpoint
-from weightd.server.checkpoint_scan import load_checkpoint
-from weightd.server.rules import ArchRules
-from weightd.server.rules_builtin import rules_for
+from weightd.server.checkpoint.description import Checkpoint
+from weightd.server.checkpoint.scan import load_checkpoint
+from weightd.server.plan.builtin_rules import rules_for
+from weightd.server.plan.rules import ArchRules
 
 PREFIX = "base_model.model."
 

@@ -14,10 +14,10 @@ from weightd.server.adapters.config import AdapterConfig
 from weightd.server.adapters.load import LoadedAdapter, load_adapter
 from weightd.server.adapters.plan import plan_adapter
 from weightd.server.adapters.registry import AdapterRegistry
-from weightd.server.checkpoint import Checkpoint
-from weightd.server.checkpoint_scan import load_checkpoint
-from weightd.server.errors import AdapterBudgetExhausted, AdapterNotFound
-from weightd.server.rules_builtin import rules_for
+from weightd.server.base.errors import AdapterBudgetExhausted, AdapterNotFound
+from weightd.server.checkpoint.description import Checkpoint
+from weightd.server.checkpoint.scan import load_checkpoint
+from weightd.server.plan.builtin_rules import rules_for
 
 CONFIG = AdapterConfig(1, 1.0, ("q_proj",), None, {}, {}, False)
 
@@ -228,8 +228,8 @@ def test_versions_are_let_go_once_retired_and_unleased() -> None:
 
 
 def test_rejection_reasons_are_a_fixed_table() -> None:
-    from weightd.server import errors
-    from weightd.server.adapters.metrics import REJECTION_REASONS, rejection_reason
+    from weightd.server.adapters.collector import REJECTION_REASONS, rejection_reason
+    from weightd.server.base import errors
 
     cases = {
         errors.UnsupportedAdapterFeature("d", "DoRA"): "unsupported_feature",

@@ -26,7 +26,7 @@ def _tree_digest(directory: Path) -> dict[str, str]:
 def test_demo_checkpoint_is_deterministic_and_loads_in_transformers(tmp_path: Path) -> None:
     import transformers
 
-    from weightd.server.demo import ensure_demo_checkpoint
+    from weightd.server.cli.demo import ensure_demo_checkpoint
 
     a = Path(ensure_demo_checkpoint(str(tmp_path / "a")))
     b = Path(ensure_demo_checkpoint(str(tmp_path / "b")))

@@ -31,6 +31,6 @@ def gpu_big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def gpu_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from weightd.server.demo import ensure_demo_checkpoint
+    from weightd.server.cli.demo import ensure_demo_checkpoint
 
     return Path(ensure_demo_checkpoint(str(tmp_path_factory.mktemp("gpu-demo"))))

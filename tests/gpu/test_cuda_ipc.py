@@ -203,9 +203,9 @@ def test_pinned_staging(daemon: RunningDaemon, gpu_big_model: Path) -> None:
         conn.close()
 
     from weightd.common.cuda_driver import CudaDriver
-    from weightd.server.models import ModelRegistry, load_model
-    from weightd.server.packs import build_host_pack
-    from weightd.server.service import WeightsService
+    from weightd.server.packs.build import build_host_pack
+    from weightd.server.registry.models import ModelRegistry, load_model
+    from weightd.server.rpc.weights import WeightsService
     from weightd.server.transports.pinned import HostPinner
 
     model = load_model(str(gpu_big_model))

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from weightd.common.dtypes import DTYPE_BITS
-from weightd.server.checkpoint import Checkpoint, TensorInfo
-from weightd.server.runs import RunPattern
+from weightd.server.checkpoint.description import Checkpoint, TensorInfo
+from weightd.server.store.runs import RunPattern
 
 DATA_START = 128
 DTYPES = {

@@ -26,7 +26,7 @@ def weightd(*args: str) -> subprocess.CompletedProcess[str]:
 
 def plan_cli(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
     """``weightd plan`` in this process (the CLI's own main), to skip an interpreter start."""
-    from weightd.server.cli import main
+    from weightd.server.cli.main import main
 
     code = main(["plan", *args])
     out = capsys.readouterr()

@@ -17,10 +17,10 @@ import torch
 from tests.layouts import restate
 from tests.layouts.fakes import as_bytes, fake_checkpoint
 from tests.layouts.specs import VARIANTS
-from weightd.server.layout import Layout, every_rank, stage_ranges
-from weightd.server.rules_builtin import BUILTIN_TABLES, rules_for
-from weightd.server.sharding import plan
-from weightd.server.slices import peer_slices
+from weightd.server.plan.builtin_rules import BUILTIN_TABLES, rules_for
+from weightd.server.plan.layout import Layout, every_rank, stage_ranges
+from weightd.server.plan.planner import plan
+from weightd.server.plan.slices import peer_slices
 
 DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (8, 1, 1), (1, 2, 1), (2, 3, 1), (4, 2, 1)]
 MOE_LAYOUTS = [*DENSE_LAYOUTS, (1, 1, 2), (2, 1, 2), (1, 1, 4), (2, 2, 2), (4, 1, 4), (8, 3, 2)]
@@ -189,8 +189,8 @@ def test_anchor_digests_every_peer_of_a_stacked_expert_cut(tmp_path: Any) -> Non
 
     from safetensors.torch import save_file
 
-    from weightd.server.checkpoint_scan import load_checkpoint
-    from weightd.server.integrity import anchor_slices, hash_checkpoint
+    from weightd.server.checkpoint.scan import load_checkpoint
+    from weightd.server.trust.integrity import anchor_slices, hash_checkpoint
 
     config, specs = VARIANTS["stacked-experts"]
     fake = fake_checkpoint(config, specs, shards=1)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.layouts.fakes import Spec, fake_checkpoint
 from tests.layouts.specs import VARIANTS, config, llama
-from weightd.server.errors import (
+from weightd.server.base.errors import (
     ConfigError,
     InvalidRequest,
     NoShardingRules,
@@ -19,9 +19,9 @@ from weightd.server.errors import (
     TensorNotInLayout,
     WeightdError,
 )
-from weightd.server.layout import Layout
-from weightd.server.rules_builtin import rules_for
-from weightd.server.sharding import plan
+from weightd.server.plan.builtin_rules import rules_for
+from weightd.server.plan.layout import Layout
+from weightd.server.plan.planner import plan
 
 
 def variant(name: str) -> tuple[dict[str, Any], dict[str, Spec]]:

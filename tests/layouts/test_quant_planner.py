@@ -18,17 +18,17 @@ import torch
 
 from tests.layouts import quantfmt, restate
 from tests.layouts.fakes import DTYPES, Fake, fake_checkpoint
-from weightd.server.errors import (
+from weightd.server.base.errors import (
     ConfigError,
     QuantizationSplitError,
     ShardingError,
     UnsupportedQuantization,
     WeightdError,
 )
-from weightd.server.layout import Layout
-from weightd.server.quant import QuantScheme, geometry, parse_quantization
-from weightd.server.rules_builtin import rules_for
-from weightd.server.sharding import plan
+from weightd.server.plan.builtin_rules import rules_for
+from weightd.server.plan.layout import Layout
+from weightd.server.plan.planner import plan
+from weightd.server.plan.quant import QuantScheme, geometry, parse_quantization
 
 DT = {
     torch.int32: "I32",

@@ -11,12 +11,12 @@ import pytest
 
 from tests.layouts.fakes import fake_checkpoint
 from tests.layouts.specs import VARIANTS
-from weightd.server.errors import RulesFileError
-from weightd.server.layout import Layout, every_rank
-from weightd.server.rules import Experts, Split, Stage
-from weightd.server.rules_builtin import BUILTIN_DOCS, LLAMA_DOC, MIXTRAL_DOC, rules_for
-from weightd.server.rulesfile import load_rules_file, parse_table
-from weightd.server.sharding import plan
+from weightd.server.base.errors import RulesFileError
+from weightd.server.plan.builtin_rules import BUILTIN_DOCS, LLAMA_DOC, MIXTRAL_DOC, rules_for
+from weightd.server.plan.layout import Layout, every_rank
+from weightd.server.plan.planner import plan
+from weightd.server.plan.rules import Experts, Split, Stage
+from weightd.server.plan.rules_file import load_rules_file, parse_table
 
 
 def doc(**over: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@ BIG_TENSOR_BYTES = 48 << 20
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in demo checkpoint (Llama-style, three shards), created once."""
-    from weightd.server.demo import ensure_demo_checkpoint
+    from weightd.server.cli.demo import ensure_demo_checkpoint
 
     return Path(ensure_demo_checkpoint(str(tmp_path_factory.mktemp("demo-cache"))))
 

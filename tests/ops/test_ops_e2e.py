@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import RunningDaemon, run_daemon, weightd_command
 from tests.ops.conftest import free_port, scrape
 from weightd.client import AdminClient, PermissionDeniedError, WeightClient
-from weightd.server.collectors import CONDITIONAL_COLLECTORS
+from weightd.server.daemon.collectors import CONDITIONAL_COLLECTORS
 
 pytestmark = pytest.mark.e2e
 

@@ -26,7 +26,7 @@ from weightd.client import (
     WeightClient,
     tls_credentials,
 )
-from weightd.server.daemon import Daemon, ServeConfig, create_daemon, load_models
+from weightd.server.daemon.assembly import Daemon, ServeConfig, create_daemon, load_models
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 

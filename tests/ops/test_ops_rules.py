@@ -14,15 +14,24 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from weightd.server import errors
-from weightd.server.collectors import (
+from weightd.server.base import errors
+from weightd.server.daemon.addresses import Address
+from weightd.server.daemon.collectors import (
     GpuMemoryCollector,
     PinnedMemoryCollector,
     PinnedState,
     ShmPackCollector,
     ShmPackState,
 )
-from weightd.server.guards import (
+from weightd.server.daemon.listeners import admin_address, host_port
+from weightd.server.daemon.security import (
+    TlsFiles,
+    TlsMaterial,
+    check_admin_listener,
+    check_tls_files,
+    check_worker_listener,
+)
+from weightd.server.rpc.guards import (
     MAX_FETCH_NAMES,
     MAX_NAME_BYTES,
     StreamWatchdog,
@@ -30,24 +39,15 @@ from weightd.server.guards import (
     check_fetch_bounds,
     identities_from_auth_context,
 )
-from weightd.server.interceptors import split_method
-from weightd.server.listen import Address
-from weightd.server.listeners import admin_address, host_port
-from weightd.server.logs import JsonFormatter, event, format_event
-from weightd.server.metrics import FAILURE_REASONS, failure_reason
-from weightd.server.residency import (
+from weightd.server.rpc.interceptors import split_method
+from weightd.server.store.residency import (
     PAGE_BYTES,
     resident_bytes,
     resident_bytes_from_vector,
     windows,
 )
-from weightd.server.security import (
-    TlsFiles,
-    TlsMaterial,
-    check_admin_listener,
-    check_tls_files,
-    check_worker_listener,
-)
+from weightd.server.telemetry.logs import JsonFormatter, event, format_event
+from weightd.server.telemetry.metrics import FAILURE_REASONS, failure_reason
 
 P = PAGE_BYTES
 

@@ -28,7 +28,7 @@ _LIMITED = (
     "n = int(sys.argv.pop(1))\n"
     "resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))\n"
     "sys.argv[0] = 'weightd'\n"
-    "runpy.run_module('weightd.server.cli', run_name='__main__')\n"
+    "runpy.run_module('weightd.server.cli.main', run_name='__main__')\n"
 )
 
 
@@ -76,7 +76,7 @@ class FullDisk:
         """``weightd ARGS``, under the file-size limit when full in rlimit mode."""
         if self.full and self.mode == "rlimit":
             return [sys.executable, "-c", _LIMITED, str(self.limit), *args]
-        return [sys.executable, "-m", "weightd.server.cli", *args]
+        return [sys.executable, "-m", "weightd.server.cli.main", *args]
 
     def files(self) -> list[str]:
         return sorted(p for p in os.listdir(self.directory) if p != ".filler")

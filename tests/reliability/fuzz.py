@@ -209,7 +209,7 @@ def make_seeds(out: Path) -> None:
     import transformers
     from safetensors.torch import save
 
-    from weightd.server.cli import main as weightd
+    from weightd.server.cli.main import main as weightd
 
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="weightd-seeds-"))

@@ -1,7 +1,7 @@
 """The fuzz targets: each feeds bytes to one parser and lets only typed errors out.
 
 A target returns normally for an input the parser accepts or refuses with a
-:class:`~weightd.server.errors.WeightdError` subclass whose message names the file
+:class:`~weightd.server.base.errors.WeightdError` subclass whose message names the file
 (the contract every caller relies on: a precise one-line error, a precise gRPC
 code). Anything else escaping — KeyError, TypeError, RecursionError, OverflowError,
 re.error, an error that does not name its file — is a crasher.
@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Final
 
 from weightd.server.adapters.config import parse_adapter_config
-from weightd.server.checkpoint import INDEX_FILE, parse_index
-from weightd.server.errors import WeightdError
-from weightd.server.manifest import parse_manifest
-from weightd.server.safetensors_header import header_length, parse_header
-from weightd.server.signing import check_signature, load_public_key
+from weightd.server.base.errors import WeightdError
+from weightd.server.checkpoint.description import INDEX_FILE, parse_index
+from weightd.server.checkpoint.header import header_length, parse_header
+from weightd.server.trust.manifest import parse_manifest
+from weightd.server.trust.signing import check_signature, load_public_key
 
 HERE: Final = Path(__file__).resolve().parent
 SEEDS: Final = HERE / "fuzz_seeds"

@@ -39,7 +39,7 @@ MANY_TENSORS_CONFIG: dict[str, Any] = {
 
 
 def write_many_tensor_model(directory: Path, seed: int = 11) -> Path:
-    from weightd.server.demo import write_llama_checkpoint
+    from weightd.server.cli.demo import write_llama_checkpoint
 
     write_llama_checkpoint(str(directory), MANY_TENSORS_CONFIG, shards=3, seed=seed)
     return directory
@@ -47,7 +47,7 @@ def write_many_tensor_model(directory: Path, seed: int = 11) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from weightd.server.demo import ensure_demo_checkpoint
+    from weightd.server.cli.demo import ensure_demo_checkpoint
 
     return Path(ensure_demo_checkpoint(str(tmp_path_factory.mktemp("rel-demo"))))
 

@@ -38,15 +38,15 @@ from tests.reliability.files_support import (
 )
 from tests.reliability.load_support import settle
 from weightd.client import AdminClient, DataLossError
-from weightd.server.checkpoint import Checkpoint, TensorInfo
-from weightd.server.filechange import (
+from weightd.server.checkpoint.description import Checkpoint, TensorInfo
+from weightd.server.registry.filechange import (
     ChangeKind,
     inode_change,
     path_change,
     tensor_mismatch,
     version_difference,
 )
-from weightd.server.store import FileIdentity
+from weightd.server.store.shards import FileIdentity
 
 pytestmark = pytest.mark.e2e
 TRANSPORTS = ("grpc", "shm")
@@ -321,8 +321,8 @@ def test_version_difference_compares_tensors_not_files() -> None:
 def test_store_serving_check_ignores_ctime_but_load_time_check_does_not(
     transformers_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    from weightd.server.checkpoint_scan import load_checkpoint
-    from weightd.server.errors import DataIntegrityError
+    from weightd.server.base.errors import DataIntegrityError
+    from weightd.server.checkpoint.scan import load_checkpoint
 
     model = tmp_path / "m"
     shutil.copytree(transformers_models["llama"], model)

@@ -91,7 +91,7 @@ def test_the_harness_reports_a_crasher(tmp_path: Path, monkeypatch: pytest.Monke
     (crash,) = tmp_path.iterdir()
     assert b"weight_map" in crash.read_bytes()
 
-    from weightd.server.errors import IndexSchemaError
+    from weightd.server.base.errors import IndexSchemaError
 
     def vague(data: bytes) -> None:
         try:

@@ -23,7 +23,7 @@ BIG_CONFIG: dict[str, Any] = {
 
 
 def write_big_model(directory: Path) -> Path:
-    from weightd.server.demo import write_llama_checkpoint
+    from weightd.server.cli.demo import write_llama_checkpoint
 
     write_llama_checkpoint(str(directory), BIG_CONFIG, shards=2, seed=7)
     return directory

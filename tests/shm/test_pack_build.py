@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from weightd.server.errors import DataIntegrityError
-from weightd.server.models import ModelRegistry, load_model
-from weightd.server.packs import PACK_ALIGN, PACK_SEALS, build_host_pack
-from weightd.server.service import WeightsService
+from weightd.server.base.errors import DataIntegrityError
+from weightd.server.packs.build import PACK_ALIGN, PACK_SEALS, build_host_pack
+from weightd.server.registry.models import ModelRegistry, load_model
+from weightd.server.rpc.weights import WeightsService
 
 
 def _open_fds() -> set[int]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from tests.trust import craft
 from tests.trust.craft import INDEX, SHARD1, SHARD2, encode, entries, shard_tensors
-from weightd.server import errors as err
+from weightd.server.base import errors as err
 
 
 @dataclass
@@ -633,8 +633,8 @@ def config_dtype_unknown(tmp: Path, k: Keys) -> Setup:
 
 def manifest_of(model: Path) -> dict[str, Any]:
     """The manifest body of a checkpoint that verifies (built with weightd's own code)."""
-    from weightd.server.manifest import build_body
-    from weightd.server.verify import VerifyOptions, verify_checkpoint
+    from weightd.server.trust.manifest import build_body
+    from weightd.server.trust.verify import VerifyOptions, verify_checkpoint
 
     v = verify_checkpoint(str(model), None, VerifyOptions(progress=False, file_sha256=True))
     v.store.close()
@@ -643,7 +643,7 @@ def manifest_of(model: Path) -> dict[str, Any]:
 
 
 def sign(body: dict[str, Any], key: Path) -> dict[str, Any]:
-    from weightd.server.signing import load_private_key, sign_body
+    from weightd.server.trust.signing import load_private_key, sign_body
 
     return sign_body(body, load_private_key(str(key)))
 
@@ -803,7 +803,7 @@ def trust_key_not_ed25519(tmp: Path, k: Keys) -> Setup:
 
 def hf_snapshot(tmp: Path, source: Path | None = None) -> Path:
     """Lay ``source`` (default: the base checkpoint) out as a hub cache snapshot."""
-    from weightd.server.checkpoint import git_blob_sha1
+    from weightd.server.checkpoint.description import git_blob_sha1
 
     source = source or base(tmp / "src")
     repo = tmp / "hub" / "models--org--tiny"

@@ -10,16 +10,16 @@ import pytest
 
 from tests.trust import craft
 from tests.trust.corpus import hf_snapshot
-from weightd.server import cli
-from weightd.server.errors import (
+from weightd.server.base.errors import (
     DataSectionError,
     HeaderSyntaxError,
     MissingTensorError,
     PathEscapeError,
     TensorShapeError,
 )
-from weightd.server.models import load_model
-from weightd.server.verify import VerifyOptions, verify_checkpoint
+from weightd.server.cli import main as cli
+from weightd.server.registry.models import load_model
+from weightd.server.trust.verify import VerifyOptions, verify_checkpoint
 
 
 def test_verify_collects_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

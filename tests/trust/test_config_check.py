@@ -8,15 +8,15 @@ from typing import Any
 import pytest
 import torch
 
-from weightd.server.checkpoint import TensorInfo
-from weightd.server.config_check import check_layout, layout_function
-from weightd.server.errors import (
+from weightd.server.base.errors import (
     ConfigFieldError,
     MissingTensorError,
     TensorDtypeError,
     TensorShapeError,
     UnexpectedTensorError,
 )
+from weightd.server.checkpoint.config_check import check_layout, layout_function
+from weightd.server.checkpoint.description import TensorInfo
 
 SMALL = dict(
     vocab_size=32,

@@ -7,7 +7,7 @@ problem; ``weightd serve`` refuses with exactly one error line and no traceback.
 
 Both commands run in process (``cli.main``: the same code path minus interpreter
 start-up, which costs ~1 s a process on these machines) for every case, and out of
-process (a real ``python -m weightd.server.cli``) for one case of each family. Set
+process (a real ``python -m weightd.server.cli.main``) for one case of each family. Set
 ``WEIGHTD_CORPUS_SUBPROCESS=all`` to run every case out of process too.
 """
 
@@ -24,8 +24,8 @@ import pytest
 
 from tests.conftest import weightd_command
 from tests.trust.corpus import CASES, Case, Keys, Setup
-from weightd.server import cli
-from weightd.server.verify import VerifyOptions, verify_checkpoint
+from weightd.server.cli import main as cli
+from weightd.server.trust.verify import VerifyOptions, verify_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +51,7 @@ def test_corpus_size_and_coverage() -> None:
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
-    from weightd.server.signing import generate_keypair
+    from weightd.server.trust.signing import generate_keypair
 
     d = tmp_path_factory.mktemp("keys")
     generate_keypair(str(d / "k"), str(d / "k.pub"))

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 from tests.trust import craft
 from tests.trust.corpus import manifest_of
-from weightd.server.checkpoint import cross_check, parse_config, parse_index
-from weightd.server.config_check import check_layout
-from weightd.server.errors import WeightdError
-from weightd.server.manifest import parse_manifest
-from weightd.server.safetensors_header import header_length, parse_header
-from weightd.server.verify import VerifyOptions, verify_checkpoint
+from weightd.server.base.errors import WeightdError
+from weightd.server.checkpoint.config_check import check_layout
+from weightd.server.checkpoint.description import cross_check, parse_config, parse_index
+from weightd.server.checkpoint.header import header_length, parse_header
+from weightd.server.trust.manifest import parse_manifest
+from weightd.server.trust.verify import VerifyOptions, verify_checkpoint
 
 EXAMPLES = int(os.environ.get("WEIGHTD_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(
@@ -176,8 +176,8 @@ def real_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _headers(d: Path) -> dict[str, Any]:
-    from weightd.server.checkpoint_scan import read_header
-    from weightd.server.store import ShardStore
+    from weightd.server.checkpoint.scan import read_header
+    from weightd.server.store.shards import ShardStore
 
     store = ShardStore(str(d))
     try:
@@ -210,7 +210,7 @@ def test_mutated_indexes(real_checkpoint: Path, text: str) -> None:
 @FUZZ
 @given(text=mutated_json(craft.CONFIG))
 def test_mutated_configs(real_checkpoint: Path, text: str) -> None:
-    from weightd.server.checkpoint_scan import scan_checkpoint
+    from weightd.server.checkpoint.scan import scan_checkpoint
 
     scan = scan_checkpoint(str(real_checkpoint))
     scan.store.close()

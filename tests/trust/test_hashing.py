@@ -14,11 +14,11 @@ from pathlib import Path
 import blake3
 import pytest
 
-from weightd.server.errors import DataIntegrityError
-from weightd.server.hashcache import CacheEntry, HashCache
-from weightd.server.hashing import Progress, ShardJob, TensorRange, hash_shard, hash_shards
-from weightd.server.progress import Reporter, render_bar
-from weightd.server.store import FileIdentity
+from weightd.server.base.errors import DataIntegrityError
+from weightd.server.store.shards import FileIdentity
+from weightd.server.telemetry.progress import Reporter, render_bar
+from weightd.server.trust.hashcache import CacheEntry, HashCache
+from weightd.server.trust.hashing import Progress, ShardJob, TensorRange, hash_shard, hash_shards
 
 
 def _file(tmp: Path, name: str, size: int) -> Path:
@@ -170,7 +170,7 @@ def test_cache_entry_with_wrong_types_is_a_miss(tmp_path: Path) -> None:
 
 def test_load_model_uses_the_cache_and_reverify_forces_hashing(tmp_path: Path) -> None:
     from tests.trust import craft
-    from weightd.server.verify import VerifyOptions, verify_checkpoint
+    from weightd.server.trust.verify import VerifyOptions, verify_checkpoint
 
     d = craft.write_checkpoint(tmp_path / "m")
     options = VerifyOptions(hash_cache_dir=str(tmp_path / "cache"), progress=False)
@@ -225,7 +225,7 @@ def test_reporter_without_tty_logs(caplog: pytest.LogCaptureFixture) -> None:
 def test_file_sha256_only_when_something_compares_it(tmp_path: Path) -> None:
     from tests.trust import craft
     from tests.trust.corpus import manifest_of
-    from weightd.server.verify import VerifyOptions, verify_checkpoint
+    from weightd.server.trust.verify import VerifyOptions, verify_checkpoint
 
     d = craft.write_checkpoint(tmp_path / "m")
     cache = str(tmp_path / "cache")

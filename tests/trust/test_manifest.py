@@ -10,9 +10,9 @@ import pytest
 
 from tests.trust import craft
 from tests.trust.corpus import manifest_of
-from weightd.server.errors import BadSignatureError, KeyFileError, UntrustedKeyError
-from weightd.server.manifest import canonical_bytes, dumps, parse_manifest, signed_bytes
-from weightd.server.signing import (
+from weightd.server.base.errors import BadSignatureError, KeyFileError, UntrustedKeyError
+from weightd.server.trust.manifest import canonical_bytes, dumps, parse_manifest, signed_bytes
+from weightd.server.trust.signing import (
     check_signature,
     generate_keypair,
     key_id,
@@ -20,7 +20,7 @@ from weightd.server.signing import (
     load_public_key,
     sign_body,
 )
-from weightd.server.verify import VerifyOptions
+from weightd.server.trust.verify import VerifyOptions
 
 
 @pytest.fixture
@@ -110,7 +110,11 @@ def test_a_matching_key_id_is_not_trust(tmp_path: Path, keys: tuple[Path, Path])
 def test_serve_manifest_options(tmp_path: Path) -> None:
     import argparse
 
-    from weightd.server.cli_trust import UsageError, add_serve_options, serve_verify_options
+    from weightd.server.cli.trust_commands import (
+        UsageError,
+        add_serve_options,
+        serve_verify_options,
+    )
 
     p = argparse.ArgumentParser()
     add_serve_options(p)

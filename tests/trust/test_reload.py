@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.trust import craft
-from weightd.server.errors import DataSectionError, ModelNotFound
-from weightd.server.loading import Reloader
-from weightd.server.models import ModelRegistry, load_model
-from weightd.server.verify import VerifyOptions
+from weightd.server.base.errors import DataSectionError, ModelNotFound
+from weightd.server.registry.loading import Reloader
+from weightd.server.registry.models import ModelRegistry, load_model
+from weightd.server.trust.verify import VerifyOptions
 
 OPTIONS = VerifyOptions(progress=False)
 

@@ -25,8 +25,8 @@ from tests.conftest import RunningDaemon, run_daemon, weightd_command
 from tests.models import read_checkpoint
 from tests.trust import craft
 from weightd.client import DataLossError, WeightClient
-from weightd.server.errors import DigestMismatchError
-from weightd.server.verify import VerifyOptions, verify_checkpoint
+from weightd.server.base.errors import DigestMismatchError
+from weightd.server.trust.verify import VerifyOptions, verify_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -118,8 +118,8 @@ def flipped(
     """A daemon serving one copy of the llama checkpoint per shard (each under the signed
     manifest of the original), plus a zero-size/scalar model; then, with the daemon up,
     one byte is flipped in shard i of copy i."""
-    from weightd.server.manifest import build_body, dumps
-    from weightd.server.signing import generate_keypair, load_private_key, sign_body
+    from weightd.server.trust.manifest import build_body, dumps
+    from weightd.server.trust.signing import generate_keypair, load_private_key, sign_body
 
     tmp = tmp_path_factory.mktemp("flip")
     source = transformers_models["llama"]
@@ -215,11 +215,11 @@ def test_per_tensor_digest_catches_a_change_fstat_cannot_see(tmp_path: Path) -> 
     it by re-reading fstat after the flip, so the identity check passes."""
     import dataclasses
 
-    from weightd.server.errors import DataIntegrityError
-    from weightd.server.integrity import anchor_slices
-    from weightd.server.models import load_model
-    from weightd.server.runs import whole_pattern
-    from weightd.server.store import FileIdentity
+    from weightd.server.base.errors import DataIntegrityError
+    from weightd.server.registry.models import load_model
+    from weightd.server.store.runs import whole_pattern
+    from weightd.server.store.shards import FileIdentity
+    from weightd.server.trust.integrity import anchor_slices
 
     d = craft.write_checkpoint(tmp_path / "m")
     model = load_model(str(d), options=VerifyOptions(progress=False))

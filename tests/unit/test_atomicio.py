@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from weightd.server.atomicio import atomic_output, write_atomic
-from weightd.server.errors import OutputWriteError, StorageFullError
+from weightd.server.base.atomicio import atomic_output, write_atomic
+from weightd.server.base.errors import OutputWriteError, StorageFullError
 
 
 def _listing(directory: Path) -> list[str]:

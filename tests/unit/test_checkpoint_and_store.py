@@ -18,10 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightd.server import checkpoint_scan, integrity
-from weightd.server.checkpoint import INDEX_FILE, Checkpoint, TensorInfo
-from weightd.server.checkpoint_scan import load_checkpoint
-from weightd.server.errors import (
+from weightd.server.base.errors import (
     CheckpointError,
     ConfigSyntaxError,
     DataIntegrityError,
@@ -37,11 +34,15 @@ from weightd.server.errors import (
     TotalSizeError,
     UnsafePathError,
 )
-from weightd.server.integrity import anchor_slices, hash_checkpoint
-from weightd.server.paths import check_relative_name, open_regular_file
-from weightd.server.runs import RunPattern, block_pattern, whole_pattern
-from weightd.server.sharding import plan_rank, rules_for
-from weightd.server.store import MAX_GAP_BYTES, ShardStore
+from weightd.server.base.paths import check_relative_name, open_regular_file
+from weightd.server.checkpoint import scan as checkpoint_scan
+from weightd.server.checkpoint.description import INDEX_FILE, Checkpoint, TensorInfo
+from weightd.server.checkpoint.scan import load_checkpoint
+from weightd.server.plan.planner import plan_rank, rules_for
+from weightd.server.store.runs import RunPattern, block_pattern, whole_pattern
+from weightd.server.store.shards import MAX_GAP_BYTES, ShardStore
+from weightd.server.trust import integrity
+from weightd.server.trust.integrity import anchor_slices, hash_checkpoint
 
 CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],

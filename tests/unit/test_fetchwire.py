@@ -1,6 +1,6 @@
 """The hand-written Fetch wire format: byte-identical to protobuf, parsed as protobuf does.
 
-Server side (``weightd.server.fetchwire``): every message it encodes must be exactly
+Server side (``weightd.server.rpc.wire``): every message it encodes must be exactly
 ``SerializeToString`` of the same ``FetchResponse``. Client side
 (``weightd.client.fetchwire``): for any input, it must accept what protobuf accepts
 with the same content, and refuse what protobuf refuses with ``DataLossError``.
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from weightd.client.errors import DataLossError
 from weightd.client.fetchwire import WireResponse, from_message, parse_fetch_response
 from weightd.client.receive import RankReceiver
-from weightd.server import fetchwire as server_wire
-from weightd.server.fetchwire import EncodedResponse, payload_bytes, serialize_fetch_response
-from weightd.server.service import SERVICE, WeightsService, add_weights_service
+from weightd.server.rpc import wire as server_wire
+from weightd.server.rpc.weights import SERVICE, WeightsService, add_weights_service
+from weightd.server.rpc.wire import EncodedResponse, payload_bytes, serialize_fetch_response
 from weightd.v1 import weightd_pb2 as pb
 
 U32 = (1 << 32) - 1
@@ -181,7 +181,7 @@ def test_service_table_covers_every_method_of_the_proto() -> None:
         def add_registered_method_handlers(self, service: str, handlers: Any) -> None:
             self.registered[service] = handlers
 
-    from weightd.server.models import ModelRegistry
+    from weightd.server.registry.models import ModelRegistry
 
     rec = Recorder()
     add_weights_service(WeightsService(ModelRegistry()), rec)  # type: ignore[arg-type]

@@ -7,8 +7,8 @@ from collections.abc import Hashable
 
 import pytest
 
-from weightd.server.errors import PackMemoryExhausted, StaleGrant
-from weightd.server.pack_cache import PackCache, SlotState, evictions_for, expired
+from weightd.server.base.errors import PackMemoryExhausted, StaleGrant
+from weightd.server.packs.cache import PackCache, SlotState, evictions_for, expired
 
 
 def S(key: str, size: int, leases: int = 0, idle: float | None = None) -> SlotState:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from weightd.server.packs import PACK_ALIGN, layout_pack
-from weightd.server.runs import whole_pattern
-from weightd.server.slices import TensorSlice
+from weightd.server.packs.build import PACK_ALIGN, layout_pack
+from weightd.server.plan.slices import TensorSlice
+from weightd.server.store.runs import whole_pattern
 
 
 def _slice(nbytes: int) -> TensorSlice:

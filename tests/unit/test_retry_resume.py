@@ -16,8 +16,8 @@ from weightd.client.errors import (
     WeightdError,
 )
 from weightd.client.retry import call_with_retry
-from weightd.server.errors import InvalidRequest, ModelChanged, status_for
-from weightd.server.resume import resume_start
+from weightd.server.base.errors import InvalidRequest, ModelChanged, status_for
+from weightd.server.rpc.resume import resume_start
 
 
 class Clock:

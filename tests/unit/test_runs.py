@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightd.server.runs import RunPattern, block_pattern, whole_pattern
+from weightd.server.store.runs import RunPattern, block_pattern, whole_pattern
 
 ITEMSIZES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

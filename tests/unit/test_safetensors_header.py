@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from weightd.server.errors import (
+from weightd.server.base.errors import (
     AlignmentError,
     ByteSizeError,
     CheckpointError,
@@ -31,7 +31,7 @@ from weightd.server.errors import (
     TensorEntryError,
     TensorNameError,
 )
-from weightd.server.safetensors_header import (
+from weightd.server.checkpoint.header import (
     MAX_HEADER_BYTES,
     MAX_NAME_CHARS,
     Header,

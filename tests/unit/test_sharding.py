@@ -17,16 +17,15 @@ import numpy as np
 import pytest
 
 from weightd.common.dtypes import DTYPE_BITS
-from weightd.server.checkpoint import Checkpoint, TensorInfo
-from weightd.server.errors import (
+from weightd.server.base.errors import (
     ConfigError,
     InvalidRequest,
     NoShardingRules,
     ShardingError,
     TensorNotFound,
 )
-from weightd.server.runs import RunPattern
-from weightd.server.sharding import (
+from weightd.server.checkpoint.description import Checkpoint, TensorInfo
+from weightd.server.plan.planner import (
     LLAMA_FAMILY_RULES,
     ArchRules,
     AttentionShape,
@@ -34,7 +33,8 @@ from weightd.server.sharding import (
     plan_rank,
     rules_for,
 )
-from weightd.server.slices import slice_tensor
+from weightd.server.plan.slices import slice_tensor
+from weightd.server.store.runs import RunPattern
 
 DATA_START = 200  # a made-up header size: tensors start at absolute offsets >= this
 NUMPY_FOR = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..checkpoint import strict_json
-from ..errors import AdapterConfigError, UnsupportedAdapterFeature
+from ..base.errors import AdapterConfigError, UnsupportedAdapterFeature
+from ..checkpoint.description import strict_json
 
 #: Fields that, when set to anything but their "off" value, mean a feature weightd does
 #: not serve. Each maps to the values that count as "off".

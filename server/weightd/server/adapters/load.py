@@ -21,20 +21,20 @@ import blake3
 
 from weightd.common.digests import format_digest
 
-from ..checkpoint import Checkpoint
-from ..checkpoint_scan import read_small
-from ..errors import (
+from ..base.errors import (
     AdapterError,
     AdapterFormatError,
     DigestMismatchError,
     MissingFileError,
     PathEscapeError,
 )
-from ..paths import open_confined
-from ..runs import RunPattern
-from ..safetensors_header import header_length, parse_header
+from ..base.paths import open_confined
+from ..checkpoint.description import Checkpoint
+from ..checkpoint.header import header_length, parse_header
+from ..checkpoint.scan import read_small
+from ..store.runs import RunPattern
 from .config import AdapterConfig, parse_adapter_config
-from .verify import AdapterModule, verify_adapter
+from .validate import AdapterModule, verify_adapter
 
 CONFIG_FILE: Final = "adapter_config.json"
 WEIGHTS_FILE: Final = "adapter_model.safetensors"

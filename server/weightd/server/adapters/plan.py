@@ -20,17 +20,17 @@ from dataclasses import dataclass
 
 from weightd.common.dtypes import DTYPE_BITS
 
-from ..checkpoint import Checkpoint, TensorInfo
-from ..errors import ShardingError
-from ..layout import Layout
-from ..quant import geometry
-from ..rules import ArchRules, Split
-from ..runs import block_pattern, whole_pattern
-from ..sharding import _rules_or_fail as rules_or_fail
-from ..sharding import check_layout
-from ..slices import WHOLE, Partition, TensorSlice
-from ..tpcut import logical_blocks
-from .verify import AdapterModule
+from ..base.errors import ShardingError
+from ..checkpoint.description import Checkpoint, TensorInfo
+from ..plan.layout import Layout
+from ..plan.planner import _rules_or_fail as rules_or_fail
+from ..plan.planner import check_layout
+from ..plan.quant import geometry
+from ..plan.rules import ArchRules, Split
+from ..plan.slices import WHOLE, Partition, TensorSlice
+from ..plan.tpcut import logical_blocks
+from ..store.runs import block_pattern, whole_pattern
+from .validate import AdapterModule
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final
 
-from ..errors import AdapterBudgetExhausted, AdapterNotFound
+from ..base.errors import AdapterBudgetExhausted, AdapterNotFound
 from .load import LoadedAdapter
 
 #: Events a slow watcher may fall behind by before it is cut off (it must re-watch).

@@ -21,8 +21,8 @@ import time
 
 from weightd.common.cuda_driver import CudaDriver, CudaDriverError
 
-from ..errors import CudaFailure, PackMemoryExhausted, PlacementUnavailable
-from ..packs import HostPack, PackEntry
+from ..base.errors import CudaFailure, PackMemoryExhausted, PlacementUnavailable
+from ..packs.build import HostPack, PackEntry
 
 log = logging.getLogger("weightd.cuda_ipc")
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 
-from ..adapters.packs import AdapterPackLease, AdapterTag
-from ..pack_cache import Lease
-from ..packs import HostPack, PackEntry
+from ..adapters.packing import AdapterPackLease, AdapterTag
+from ..packs.build import HostPack, PackEntry
+from ..packs.cache import Lease
 from .cuda_ipc import CudaPack
 
 

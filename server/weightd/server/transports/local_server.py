@@ -30,10 +30,10 @@ from weightd.common.cuda_driver import CudaDriver
 from weightd.common.frames import FrameError, recv_frame, send_frame
 from weightd.v1 import local_pb2 as lpb
 
-from ..adapters.rpc import Adapters
-from ..listen import ListenError
-from ..models import ModelRegistry
-from ..packs import AnchorFn
+from ..daemon.addresses import ListenError
+from ..packs.build import AnchorFn
+from ..registry.models import ModelRegistry
+from ..rpc.adapters import Adapters
 from .local_service import PackService
 from .options import LOCAL_SOCKET_SUFFIX, LocalConfig
 

@@ -1,7 +1,7 @@
 """The side channel's request handling: resolve, plan, lease a pack, answer. No sockets here.
 
 Like the gRPC servicer it is thin, and errors become a status in one place
-(:func:`~weightd.server.errors.status_for`); a :class:`TransportError` is flagged
+(:func:`~weightd.server.base.errors.status_for`); a :class:`TransportError` is flagged
 as the transport's own failure, so a client on ``transport="auto"`` falls back to
 gRPC instead of giving up.
 
@@ -10,7 +10,7 @@ model's config and verified tensor digests, so a reload with identical bytes kee
 its packs and a changed model never reuses a stale one. A GPU pack is built from the
 host pack (which must therefore fit the shared-memory budget too). LoRA adapter packs
 (``AcquirePack.adapter``) live in the same caches and budgets, keyed by adapter version
-instead; their rules are in :mod:`weightd.server.adapters.packs`. What a grant says
+instead; their rules are in :mod:`weightd.server.adapters.packing`. What a grant says
 (the pack records, the leases held, the ``PackGrant`` itself) is in :mod:`.grants`.
 """
 
@@ -33,15 +33,14 @@ from weightd.common.cuda_driver import CudaDriver
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 
-from ..adapters.packs import (
+from ..adapters.packing import (
     AdapterPackLease,
     adapter_key,
     adapter_key_matches,
     adapter_tag,
     build_adapter_pack,
 )
-from ..adapters.rpc import Adapters, check_tp_only
-from ..errors import (
+from ..base.errors import (
     AdapterNotFound,
     DataIntegrityError,
     LocalProtocolError,
@@ -51,9 +50,10 @@ from ..errors import (
     TransportError,
     status_for,
 )
-from ..models import LoadedModel, ModelRegistry
-from ..pack_cache import Lease, PackCache
-from ..packs import AnchorFn, HostPack, build_host_pack, layout_pack
+from ..packs.build import AnchorFn, HostPack, build_host_pack, layout_pack
+from ..packs.cache import Lease, PackCache
+from ..registry.models import LoadedModel, ModelRegistry
+from ..rpc.adapters import Adapters, check_tp_only
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer
 from .options import LocalConfig

@@ -18,7 +18,7 @@ from weightd.common.cuda_driver import (
     CudaDriverError,
 )
 
-from ..errors import CudaUnavailable
+from ..base.errors import CudaUnavailable
 
 #: The side socket lives next to the gRPC socket, in the same 0700 directory.
 LOCAL_SOCKET_SUFFIX: Final = ".local"

@@ -21,7 +21,7 @@ import threading
 
 from weightd.common.cuda_driver import CudaDriver, CudaDriverError
 
-from ..packs import HostPack
+from ..packs.build import HostPack
 
 log = logging.getLogger("weightd.pinned")
 

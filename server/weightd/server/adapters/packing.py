@@ -1,0 +1,104 @@
+"""Adapter rank packs: one adapter version's rank slices in a sealed memfd, like base packs.
+
+Why the same packs: a worker on the daemon's host maps its base weights from shared
+memory (or opens them by CUDA IPC); its adapters should come the same way, share the
+same budget and obey the same lease rules. What differs is what a pack depends on:
+
+* the **key** is (adapter name, version, world size, rank), so a replace (a new
+  version) gets a new pack and a worker still mapping the old one keeps it intact;
+* a pack **lease also holds the adapter version** in the registry
+  (:class:`AdapterPackLease`), so an unload or replace never lets go of a version a
+  worker maps; the lease ends with the worker's side-channel connection;
+* when the registry lets a version go (retired and unleased), its packs are freed at
+  once rather than at the end of their TTL (:func:`adapter_key_matches`): nobody can
+  ask for that version again.
+
+The bytes come from the verified in-memory copy of the adapter's weights file, cut by
+the same pure plan as the gRPC stream, and each slice's SHA-256 is computed from those
+bytes before the sealed pack is re-hashed against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from weightd.common.digests import slice_digest
+
+from ..packs import cache as pack_cache
+from ..packs.build import HostPack, build_pack
+from ..plan.slices import TensorSlice
+from .plan import AdapterSlicePlan
+from .registry import AdapterVersion, Lease
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterTag:
+    """Which adapter version a pack holds, as the grant and the stats report it."""
+
+    name: str
+    version: int
+    digest: str
+    base_model: str
+    scaling: tuple[tuple[str, float], ...]
+
+
+def adapter_tag(v: AdapterVersion, plan: AdapterSlicePlan) -> AdapterTag:
+    return AdapterTag(
+        v.name, v.version, v.adapter.digest, v.adapter.base_model, tuple(plan.scaling.items())
+    )
+
+
+def adapter_key(name: str, version: int, world_size: int, rank: int) -> tuple[object, ...]:
+    """The pack cache key of an adapter pack (base packs' keys never start with "adapter")."""
+    return ("adapter", name, version, world_size, rank)
+
+
+def adapter_key_matches(name: str, version: int) -> Callable[[Hashable], bool]:
+    """A predicate for the cache keys of every pack of ``version`` of ``name``."""
+
+    def match(key: Hashable) -> bool:
+        return isinstance(key, tuple) and key[:3] == ("adapter", name, version)
+
+    return match
+
+
+def slice_bytes(v: AdapterVersion, s: TensorSlice) -> tuple[bytes, str]:
+    """The bytes of slice ``s`` cut from the verified adapter, and their SHA-256 digest."""
+    data = v.adapter.read(s.pattern)
+    return data, slice_digest(hashlib.sha256(data))
+
+
+def build_adapter_pack(v: AdapterVersion, plan: AdapterSlicePlan, label: str) -> HostPack:
+    """The sealed, re-verified pack of ``plan`` (a rank's slices of version ``v``)."""
+    digests = [slice_bytes(v, s)[1] for s in plan.slices]
+
+    def fill(s: TensorSlice, into: memoryview) -> None:
+        into[:] = v.adapter.read(s.pattern)
+
+    return build_pack(plan.slices, digests, fill, label)
+
+
+class AdapterPackLease:
+    """A pack lease and the registry lease on the version it holds, released together.
+
+    Order matters: the pack is released first (it becomes idle), then the version; if
+    that was the version's last lease and it is retired, the registry's drop callback
+    finds the pack idle and frees it.
+    """
+
+    def __init__(self, pack: pack_cache.Lease[Any], version: Lease) -> None:
+        self._pack = pack
+        self._version = version
+        self.pack: object = pack.pack  # a HostPack, or its GPU copy
+        self.pack_id = pack.pack_id
+        self.info = pack.info
+        self.built = pack.built
+
+    def release(self) -> None:
+        try:
+            self._pack.release()
+        finally:
+            self._version.release()

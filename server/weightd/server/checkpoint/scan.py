@@ -1,0 +1,157 @@
+"""Reading a checkpoint directory: open each file once, parse it, collect every problem.
+
+:func:`scan_checkpoint` does the I/O: it opens each file once (confined to the model
+directory; shards through the store, which keeps the descriptor), reads only headers
+and small JSON files, and collects every problem it can find rather than stopping at
+the first, so ``weightd verify`` can list them all. :func:`load_checkpoint` is the
+strict form: first problem raised, nothing returned.
+
+Why apart from :mod:`.checkpoint`: that module is the pure half (parsing bytes,
+cross-checking, the description types); this one owns the descriptors, the size
+bound on what is read, and the store the caller inherits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ..base.errors import CheckpointError, MissingFileError
+from ..base.paths import open_confined
+from ..store.shards import ShardStore
+from .description import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    Checkpoint,
+    SmallFile,
+    cross_check,
+    git_blob_sha1,
+    parse_config,
+    parse_index,
+)
+from .header import Header, header_length, parse_header
+
+#: Largest config.json / index accepted: they are small JSON files (a 1T-parameter
+#: MoE index is ~10 MB); a bound stops a hostile multi-GB file from exhausting memory.
+MAX_JSON_BYTES: Final = 64 << 20
+
+
+def read_small(root: str, name: str, link_root: str | None = None) -> tuple[bytes, SmallFile]:
+    """Read a small JSON file confined to ``root`` (a FIFO or a link out is refused)."""
+    opened = open_confined(root, name, link_root=link_root)
+    path = os.path.join(root, name)
+    try:
+        with os.fdopen(opened.fd, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot read: {exc.strerror}") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise CheckpointError(path, f"larger than the {MAX_JSON_BYTES}-byte limit")
+    digest = hashlib.sha256(raw).hexdigest()
+    return raw, SmallFile(name, len(raw), digest, git_blob_sha1(raw), opened.real_path)
+
+
+def read_header(store: ShardStore, shard: str) -> Header:
+    """Open ``shard`` in the store and parse its header (the only bytes read at load)."""
+    opened = store.open(shard)
+    size = opened.identity.size
+    prefix = os.pread(opened.fd, 8, 0)
+    length = header_length(opened.path, prefix, size)
+    raw = store.read_exact(shard, 8, length)
+    return parse_header(opened.path, raw, size)
+
+
+@dataclass
+class Scan:
+    """What :func:`scan_checkpoint` found: a description when consistent, and every problem."""
+
+    root: str
+    name: str
+    store: ShardStore
+    config: dict[str, Any] | None
+    checkpoint: Checkpoint | None
+    problems: list[CheckpointError]
+    small_files: dict[str, SmallFile]
+    shard_names: list[str]
+
+
+def scan_checkpoint(
+    model_dir: str, name: str | None = None, *, link_root: str | None = None
+) -> Scan:
+    """Open and parse a checkpoint directory, collecting every problem it can.
+
+    Reading goes on past a problem where the rest does not depend on it: every shard
+    header is parsed even when one is broken. ``checkpoint`` is None when anything is
+    wrong. The caller owns ``store`` (closing it on failure).
+    """
+    root = os.path.realpath(model_dir)
+    model_name = name or os.path.basename(root)
+    store = ShardStore(root, link_root)
+    scan = Scan(root, model_name, store, None, None, [], {}, [])
+    if not os.path.isdir(root):
+        error = MissingFileError if not os.path.lexists(root) else CheckpointError
+        scan.problems.append(error(model_dir, "is not a directory"))
+        return scan
+    config_raw = b""
+    try:
+        config_raw, small = read_small(root, CONFIG_FILE, link_root)
+        scan.small_files[CONFIG_FILE] = small
+        scan.config = parse_config(os.path.join(root, CONFIG_FILE), config_raw)
+    except CheckpointError as exc:
+        scan.problems.append(exc)
+    weight_map: dict[str, str] | None = None
+    index_meta: dict[str, Any] | None = None
+    if os.path.lexists(os.path.join(root, INDEX_FILE)):
+        try:
+            raw, small = read_small(root, INDEX_FILE, link_root)
+            scan.small_files[INDEX_FILE] = small
+            weight_map, index_meta = parse_index(root, raw)
+        except CheckpointError as exc:
+            scan.problems.append(exc)
+            return scan
+        scan.shard_names = sorted(set(weight_map.values()))
+    elif os.path.lexists(os.path.join(root, SINGLE_FILE)):
+        scan.shard_names = [SINGLE_FILE]
+    else:
+        scan.problems.append(MissingFileError(root, f"has neither {INDEX_FILE} nor {SINGLE_FILE}"))
+        return scan
+    headers: dict[str, Header] = {}
+    for shard in scan.shard_names:
+        try:
+            headers[shard] = read_header(store, shard)
+        except CheckpointError as exc:
+            scan.problems.append(exc)
+    tensors, problems = cross_check(root, weight_map, headers, index_meta)
+    scan.problems.extend(problems)
+    if scan.problems or scan.config is None:
+        return scan
+    metadata: dict[str, str] = {}
+    for header in headers.values():
+        metadata.update(header.metadata)
+    scan.checkpoint = Checkpoint(
+        name=model_name,
+        root=root,
+        config=scan.config,
+        config_json=config_raw.decode("utf-8"),
+        tensors={t.name: t for t in tensors},
+        shards=tuple(headers),
+        metadata=metadata,
+        small_files=dict(scan.small_files),
+    )
+    return scan
+
+
+def load_checkpoint(model_dir: str, name: str | None = None) -> tuple[Checkpoint, ShardStore]:
+    """Open a Hugging Face style checkpoint directory.
+
+    On any error every descriptor opened so far is closed and nothing is returned,
+    so a half-read checkpoint can never be published.
+    """
+    scan = scan_checkpoint(model_dir, name)
+    if scan.problems or scan.checkpoint is None:
+        scan.store.close()
+        raise scan.problems[0]
+    return scan.checkpoint, scan.store

@@ -1,0 +1,1 @@
+"""The ``weightd`` command line: ``serve``, the client commands and the trust tools."""

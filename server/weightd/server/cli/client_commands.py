@@ -1,0 +1,177 @@
+"""The client commands of the CLI: ``weightd fetch``, ``list``, ``describe``, ``health``
+and ``reload``, and the TLS flags they share. Kept apart from ``cli.py``, which
+registers, dispatches and runs the local commands (``serve``, ``plan``,
+``demo-checkpoint``; ``cli_trust`` has the trust ones): these are clients of a
+running daemon over gRPC, most of them through ``weightd.client`` (and so torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import grpc
+
+from ..base.errors import WeightdError
+
+
+def add_fetch_parser(sub: Any) -> None:
+    """``weightd fetch``; registered apart from the others to keep the help's order."""
+    f = sub.add_parser("fetch", help="fetch one rank's slices into a safetensors file")
+    f.add_argument("target", help="daemon address, e.g. unix:///run/weightd/weightd.sock")
+    f.add_argument("--rank", type=int, required=True)
+    f.add_argument("--world-size", type=int, required=True)
+    f.add_argument("--model", default=None)
+    f.add_argument("--name", action="append", dest="names", help="only this tensor (repeatable)")
+    f.add_argument("--out", required=True, help="output .safetensors file")
+    f.add_argument("--timeout", type=float, default=None)
+    _add_client_tls_args(f)
+
+
+def add_parsers(sub: Any) -> None:
+    """``weightd list``, ``describe``, ``health`` and ``reload``."""
+    ls = sub.add_parser("list", help="list the models a daemon serves")
+    ls.add_argument("target")
+    _add_client_tls_args(ls)
+
+    d = sub.add_parser("describe", help="describe a served model's tensors")
+    d.add_argument("target")
+    d.add_argument("--model", default=None)
+    d.add_argument("--json", action="store_true")
+    _add_client_tls_args(d)
+
+    h = sub.add_parser("health", help="exit 0 when the daemon reports SERVING (gRPC health)")
+    h.add_argument("target")
+    h.add_argument("--service", default="", help="'' overall, or weightd.v1.Weights/MODEL")
+    h.add_argument("--wait", type=float, default=0.0, help="keep polling up to this many seconds")
+    _add_client_tls_args(h)
+
+    r = sub.add_parser("reload", help="re-verify a model from disk (admin listener only)")
+    r.add_argument("target", help="the admin address, e.g. unix:///run/weightd/admin.sock")
+    r.add_argument("--model", default=None)
+    r.add_argument("--timeout", type=float, default=None)
+    _add_client_tls_args(r)
+
+
+def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert", default=None, help="client certificate for mutual TLS (PEM)")
+    p.add_argument("--tls-key", default=None, help="client key for --tls-cert (PEM)")
+
+
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    if args.tls_ca is None and args.tls_cert is None:
+        return None
+    from weightd.client import tls_credentials
+
+    try:
+        return tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as exc:
+        raise WeightdError(str(exc)) from None
+
+
+def run_fetch(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from weightd.client import WeightClient
+
+    from ..base.atomicio import atomic_output
+
+    creds = _credentials(args)
+    with WeightClient(args.target, timeout=args.timeout, credentials=creds) as client:
+        state = client.fetch(args.rank, args.world_size, model=args.model, names=args.names)
+    # Written aside and renamed: a full disk leaves the previous file, no partial one.
+    with atomic_output(args.out) as tmp:
+        save_file(
+            state,
+            tmp,
+            metadata={"weightd_rank": str(args.rank), "weightd_world_size": str(args.world_size)},
+        )
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    where = f"rank {args.rank}/{args.world_size}"
+    print(f"wrote {len(state)} tensors, {total} bytes, {where} -> {args.out}")
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from weightd.client import WeightClient
+
+    with WeightClient(args.target, credentials=_credentials(args)) as client:
+        for m in client.list_models():
+            state = "ready" if m.ready else "not ready"
+            if m.state and m.state not in ("ready", "loading"):
+                state = f"{m.state}: {m.reason}"
+            size = f"{m.num_tensors} tensors\t{m.total_bytes} bytes"
+            print(f"{m.name}\t{m.architecture}\t{size}\t{state}")
+    return 0
+
+
+def run_describe(args: argparse.Namespace) -> int:
+    from weightd.client import WeightClient
+
+    with WeightClient(args.target, credentials=_credentials(args)) as client:
+        d = client.describe(args.model)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "name": d.name,
+                    "architecture": d.architecture,
+                    "total_bytes": d.total_bytes,
+                    "tensors": [t.__dict__ | {"shape": list(t.shape)} for t in d.tensors],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print(f"{d.name} ({d.architecture}): {len(d.tensors)} tensors, {d.total_bytes} bytes")
+    for t in d.tensors:
+        print(f"  {t.name}\t{t.dtype}\t{list(t.shape)}\t{t.shard}\t{t.digest[:23]}...")
+    return 0
+
+
+def run_health(args: argparse.Namespace) -> int:
+    import time
+
+    from grpc_health.v1 import health_pb2
+
+    deadline = time.monotonic() + args.wait
+    status = "UNREACHABLE"
+    creds = _credentials(args)
+    channel = (
+        grpc.insecure_channel(args.target)
+        if creds is None
+        else grpc.secure_channel(args.target, creds)
+    )
+    with channel:
+        # Called by method path: the typeshed stub of HealthStub lacks its methods.
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        while True:
+            try:
+                reply = check(health_pb2.HealthCheckRequest(service=args.service), timeout=2)
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                status = f"UNREACHABLE ({exc.code().name})"
+            if status == "SERVING" or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+    print(f"{args.target} {args.service or '(overall)'}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+def run_reload(args: argparse.Namespace) -> int:
+    from weightd.client import AdminClient
+
+    creds = _credentials(args)
+    with AdminClient(args.target, timeout=args.timeout, credentials=creds) as admin:
+        r = admin.reload(args.model)
+    print(
+        f"reloaded {r.model}: {r.num_tensors} tensors, {r.total_bytes} bytes verified in "
+        f"{r.verify_seconds:.2f}s"
+    )
+    return 0

@@ -1,0 +1,252 @@
+"""The trust commands of the CLI: ``weightd verify``, ``weightd manifest ...``, and the
+``serve`` options that name trust sources. Kept apart from ``cli.py`` so that file
+only registers and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any, Final
+
+from ..base.errors import CheckpointError, WeightdError
+
+if TYPE_CHECKING:  # the verify stack (blake3, cryptography) loads only when used
+    from ..trust.verify import Verification, VerifyOptions
+
+#: Problems printed by ``weightd verify`` before "... and N more" (``--json`` has all).
+MAX_PRINTED_PROBLEMS: Final = 100
+
+
+class UsageError(WeightdError):
+    """Options that contradict each other (reported as one line, exit 1)."""
+
+
+# --- serve options ---------------------------------------------------------------------
+
+
+def add_serve_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--manifest",
+        action="append",
+        default=[],
+        metavar="[NAME=]FILE",
+        help="trusted manifest a model must match (NAME= when serving several models)",
+    )
+    s.add_argument(
+        "--trust-key",
+        action="append",
+        default=[],
+        metavar="PUBKEY",
+        help="Ed25519 public key (PEM or OpenSSH) a manifest must be signed by (repeatable)",
+    )
+    s.add_argument(
+        "--trust-hf-cache",
+        action="store_true",
+        help="require each model to be a Hugging Face cache snapshot whose blob names match",
+    )
+    s.add_argument(
+        "--reverify", action="store_true", help="hash every shard even if the hash cache has it"
+    )
+    s.add_argument(
+        "--no-hash-cache", action="store_true", help="neither read nor write the hash cache"
+    )
+    s.add_argument("--hash-threads", type=int, default=None, help="shards hashed at once")
+
+
+def _manifest_map(entries: list[str], model_names: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or "/" in name or not name:
+            name, path = "", entry
+        if name and name not in model_names:
+            raise UsageError(
+                f"--manifest {entry}: no model named {name!r} (serving: {', '.join(model_names)})"
+            )
+        if name in out:
+            raise UsageError(f"--manifest: two manifests for {name or 'the model'}")
+        out[name] = path
+    if "" in out and len(model_names) > 1:
+        raise UsageError("--manifest: name the model (NAME=FILE) when serving several models")
+    return out
+
+
+def _check_trust_args(manifests: dict[str, str], keys: list[str], hf: bool) -> None:
+    if keys and not manifests:
+        raise UsageError("--trust-key needs --manifest (the key signs a manifest)")
+
+
+def serve_verify_options(
+    args: argparse.Namespace, model_names: list[str], cache_dir: str
+) -> VerifyOptions:
+    """The VerifyOptions ``weightd serve`` was asked for."""
+    from ..trust.verify import VerifyOptions
+
+    manifests = _manifest_map(args.manifest, model_names)
+    _check_trust_args(manifests, args.trust_key, args.trust_hf_cache)
+    return VerifyOptions(
+        manifests=manifests,
+        trust_keys=tuple(args.trust_key),
+        trust_hf_cache=args.trust_hf_cache,
+        hash_cache_dir=None if args.no_hash_cache else os.path.join(cache_dir, "hashes"),
+        reverify=args.reverify,
+        threads=args.hash_threads,
+    )
+
+
+# --- weightd verify --------------------------------------------------------------------
+
+
+def add_parsers(sub: Any) -> None:
+    v = sub.add_parser(
+        "verify", help="check a checkpoint directory: structure, config, digests, trust"
+    )
+    v.add_argument("directory")
+    v.add_argument("--manifest", default=None, help="trusted manifest the checkpoint must match")
+    v.add_argument("--trust-key", action="append", default=[], metavar="PUBKEY")
+    v.add_argument("--trust-hf-cache", action="store_true")
+    v.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    v.add_argument("--hash-threads", type=int, default=None)
+
+    m = sub.add_parser("manifest", help="create trusted manifests and signing keys")
+    msub = m.add_subparsers(dest="manifest_command", required=True)
+    c = msub.add_parser("create", help="hash a checkpoint and write its manifest")
+    c.add_argument("directory")
+    c.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    c.add_argument("--sign-key", default=None, help="Ed25519 private key (PEM) to sign with")
+    c.add_argument("--hash-threads", type=int, default=None)
+    k = msub.add_parser("keygen", help="write a new Ed25519 key pair")
+    k.add_argument("--out-private", required=True)
+    k.add_argument("--out-public", required=True)
+
+
+def _problem_record(p: WeightdError) -> dict[str, str]:
+    record = {"type": type(p).__name__, "message": str(p)}
+    if isinstance(p, CheckpointError):
+        record["file"] = p.path
+    return record
+
+
+def _report_text(v: Verification) -> list[str]:
+    lines = [f"weightd verify {v.root} ({v.name})"]
+    ckpt = v.checkpoint
+    if ckpt is not None:
+        lines.append(
+            f"  structure  {len(ckpt.shards)} shards, {len(ckpt.tensors)} tensors, "
+            f"{ckpt.total_bytes} bytes: index and headers consistent"
+        )
+        lines.append(f"  config     {v.config_summary or ckpt.architecture or '(no architecture)'}")
+    if v.files:
+        how = f"hashed {v.hashed_bytes / (1 << 30):.2f} GiB in {v.hash_seconds:.2f}s"
+        if v.hash_seconds > 0:
+            how += f" ({v.hashed_bytes / v.hash_seconds / 1e9:.2f} GB/s)"
+        lines.append(
+            f"  digests    sha256 of {len(v.files)} files, blake3 of {len(v.tensor_digests)} "
+            f"tensors; {how}"
+        )
+        for name in sorted(v.files):
+            lines.append(f"             {v.files[name].sha256}  {name}")
+    for t in v.trust:
+        lines.append(f"  trust      {t}")
+    if not v.trust:
+        lines.append(
+            "  trust      none given: digests prove the files are intact, not who made them"
+        )
+    lines.extend(f"  note: {n}" for n in v.notes)
+    shown = v.problems[:MAX_PRINTED_PROBLEMS]
+    lines.extend(f"problem: {p}" for p in shown)
+    if len(v.problems) > len(shown):
+        lines.append(f"problem: ... and {len(v.problems) - len(shown)} more (--json lists all)")
+    if v.ok:
+        lines.append("OK: every check holds")
+    else:
+        lines.append(f"FAILED: {len(v.problems)} problem{'s' if len(v.problems) != 1 else ''}")
+    return lines
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from ..trust.verify import VerifyOptions, verify_checkpoint
+
+    manifests = {"": args.manifest} if args.manifest else {}
+    _check_trust_args(manifests, args.trust_key, args.trust_hf_cache)
+    options = VerifyOptions(
+        manifests=manifests,
+        trust_keys=tuple(args.trust_key),
+        trust_hf_cache=args.trust_hf_cache,
+        threads=args.hash_threads,
+        progress=not args.json,
+        file_sha256=True,  # the report lists every file's SHA-256
+    )
+    v = verify_checkpoint(args.directory, None, options)
+    try:
+        if args.json:
+            doc = {
+                "ok": v.ok,
+                "model": v.name,
+                "root": v.root,
+                "problems": [_problem_record(p) for p in v.problems],
+                "notes": v.notes,
+                "trust": v.trust,
+                "files": {n: {"size": f.size, "sha256": f.sha256} for n, f in v.files.items()},
+                "tensors": v.tensor_digests,
+                "hashed_bytes": v.hashed_bytes,
+                "hash_seconds": round(v.hash_seconds, 3),
+            }
+            print(json.dumps(doc, indent=1, sort_keys=True))
+        else:
+            print("\n".join(_report_text(v)))
+    finally:
+        v.store.close()
+    return 0 if v.ok else 1
+
+
+# --- weightd manifest ------------------------------------------------------------------
+
+
+def _write_output(path: str | None, text: str) -> None:
+    if path is None:
+        sys.stdout.write(text)
+        return
+    from ..base.atomicio import write_atomic
+
+    write_atomic(path, text.encode(), mode=0o644)  # a full disk: one line, old file kept
+
+
+def run_manifest(args: argparse.Namespace) -> int:
+    from ..trust.manifest import build_body, dumps
+    from ..trust.signing import generate_keypair, load_private_key, sign_body
+    from ..trust.verify import VerifyOptions, verify_checkpoint
+
+    if args.manifest_command == "keygen":
+        kid = generate_keypair(args.out_private, args.out_public)
+        print(f"wrote {args.out_private} (private, 0600) and {args.out_public}: key {kid}")
+        return 0
+    private = load_private_key(args.sign_key) if args.sign_key else None
+    v = verify_checkpoint(
+        args.directory, None, VerifyOptions(threads=args.hash_threads, file_sha256=True)
+    )
+    try:
+        if not v.ok or v.checkpoint is None:
+            for p in v.problems:
+                print(f"weightd manifest: problem: {p}", file=sys.stderr)
+            print(
+                f"weightd manifest: error: {args.directory} does not verify "
+                f"({len(v.problems)} problems); no manifest written",
+                file=sys.stderr,
+            )
+            return 1
+        body = build_body(v.checkpoint, v.files, v.tensor_digests)
+    finally:
+        v.store.close()
+    document = sign_body(body, private) if private is not None else body
+    _write_output(args.output, dumps(document))
+    signed = f", signed by {document['signature']['key_id']}" if private is not None else ""
+    print(
+        f"manifest of {v.root}: {len(body['files'])} files, {len(body['tensors'])} tensors"
+        f"{signed} -> {args.output or 'stdout'}",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,140 @@
+"""Wiring the daemon's listeners: worker, admin, health-only and metrics.
+
+Kept apart from :mod:`.daemon` so the factory reads as a list of decisions, and the
+decisions' details (default admin socket, port binding errors, reflection) live here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent import futures
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+
+from ..base.errors import SecurityConfigError
+from ..registry.loading import Reloader
+from ..registry.models import ModelRegistry
+from ..rpc.adapters import Adapters
+from ..rpc.admin import create_admin_server
+from ..rpc.interceptors import RpcObserver
+from ..telemetry import logs
+from .addresses import Address, ListenError, default_socket_path, parse_address
+from .security import TlsMaterial
+
+if TYPE_CHECKING:
+    from .assembly import Daemon
+
+ADMIN_SOCKET_NAME = "admin.sock"
+
+
+def version() -> str:
+    try:
+        return metadata.version("weightd")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def admin_address(text: str | None, worker: Address) -> Address | None:
+    """Where the admin listener goes (pure): ``none`` → nowhere; None → ``admin.sock`` in
+    the worker socket's 0700 directory (or the default directory when workers use TCP)."""
+    if text is not None and text.lower() == "none":
+        return None
+    if text is None:
+        base = worker.path if worker.kind == "unix" else default_socket_path()
+        return Address("unix", path=os.path.join(os.path.dirname(base), ADMIN_SOCKET_NAME))
+    address = parse_address(text)
+    same_socket = address.kind == "unix" and address.path == worker.path
+    same_port = address.kind == "tcp" and address.port != 0 and address == worker
+    if same_socket or same_port:
+        raise SecurityConfigError(
+            f"--admin-listen {text} is the worker listener; admin RPCs need their own listener"
+        )
+    return address
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``:PORT`` or ``PORT`` → (host, port); the host defaults to loopback."""
+    if text.isdigit():
+        text = f":{text}"
+    address = parse_address(text)
+    if address.kind != "tcp":
+        raise ListenError(f"{text!r}: expected HOST:PORT")
+    return address.host, address.port
+
+
+def bind(server: grpc.Server, address: Address, tls: TlsMaterial | None, what: str) -> Address:
+    """Add ``address`` to ``server`` (TLS when ``tls`` and TCP); the bound address."""
+    try:
+        if tls is not None and address.kind == "tcp":
+            port = server.add_secure_port(address.grpc_target, tls.server_credentials())
+        else:
+            port = server.add_insecure_port(address.grpc_target)
+    except RuntimeError as exc:
+        raise ListenError(
+            f"cannot listen on {address.grpc_target} ({what} listener): {exc}; "
+            "is another weightd (or another program) already using it?"
+        ) from None
+    if address.kind == "tcp":
+        return Address("tcp", host=address.host, port=port)
+    return address
+
+
+def admin_server(
+    reloader: Reloader,
+    observer: RpcObserver,
+    allowed: frozenset[str] | None,
+    adapters: Adapters | None = None,
+) -> grpc.Server:
+    return create_admin_server(reloader, observer, allowed, adapters)
+
+
+def health_server(servicer: health.HealthServicer, observer: RpcObserver) -> grpc.Server:
+    """A plaintext gRPC server with only grpc.health.v1: what kubelet gRPC probes can reach."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightd-health"),
+        interceptors=[observer],
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4 << 10)],
+        maximum_concurrent_rpcs=16,
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return server
+
+
+def enable_reflection(server: grpc.Server) -> None:
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection
+
+    from weightd.v1 import weightd_pb2 as pb
+
+    names = (
+        pb.DESCRIPTOR.services_by_name["Weights"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+
+
+def model_resolver(registry: ModelRegistry) -> Callable[[str], str | None]:
+    """Map a request's model field to an operator-configured name, or None (bounded labels)."""
+
+    def resolve(name: str) -> str | None:
+        names = registry.names()
+        if not name:
+            return names[0] if len(names) == 1 else None
+        return name if name in names else None
+
+    return resolve
+
+
+def log_listening(daemon: Daemon) -> None:
+    logs.event("listening", listener="worker", address=daemon.target)
+    if daemon.admin_address is not None:
+        logs.event("listening", listener="admin", address=daemon.admin_address.grpc_target)
+    if daemon.health_address is not None:
+        logs.event("listening", listener="health", address=daemon.health_address.grpc_target)
+    if daemon.metrics_server is not None:
+        logs.event("listening", listener="metrics", address=daemon.metrics_server.url)

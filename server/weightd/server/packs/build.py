@@ -1,0 +1,216 @@
+"""Rank packs: one rank's slices laid out once in a sealed memfd, shared by every process.
+
+Layout is pure (:func:`layout_pack`): the plan's slices in plan order, each at an
+offset aligned to :data:`PACK_ALIGN` bytes (what CUDA allocations guarantee, and
+more than any dtype needs), so a client builds each tensor as a view at its offset.
+
+Building (:func:`build_host_pack`) goes through the same verified path as the gRPC
+stream: each slice's digest is the anchored SHA-256 (computed from bytes proven to
+hash to the verified tensor digest), the bytes are read from the shard store's
+descriptors with ``preadv`` straight into the memfd, and then:
+
+1. the writer mapping is unmapped and the memfd sealed (``F_SEAL_SHRINK | GROW |
+   WRITE | SEAL``): from here on nobody, the daemon included, can change or resize it,
+   so a client mapping it can neither see it change nor take SIGBUS from a truncation;
+2. the sealed bytes are re-hashed through a read-only mapping and compared with the
+   anchors. Only a pack whose every slice matches is published.
+
+Why copies and not windows onto one whole-model region: see README ("Rank packs").
+In short, a row-parallel slice is strided and must be copied anyway, a window onto
+the shard file itself is exactly what a truncated or rewritten file must not be able
+to disturb, and per-rank packs give each CUDA IPC export its own allocation.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from weightd.common.digests import slice_digest
+
+from ..base.errors import DataIntegrityError, PackMemoryExhausted
+from ..plan.planner import RankPlan
+from ..plan.slices import TensorSlice
+from ..registry.models import LoadedModel
+
+#: Every tensor in a pack starts at a multiple of this many bytes.
+PACK_ALIGN: Final = 256
+#: Seals a published pack carries; clients refuse a memfd without the first three.
+PACK_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+_HASH_THREADS: Final = 4
+
+#: ``anchor(model, slice, plan)``: the anchored digest of a slice (the gRPC service's).
+AnchorFn = Callable[[LoadedModel, TensorSlice, RankPlan], str]
+
+
+@dataclass(frozen=True, slots=True)
+class PackEntry:
+    """One slice in a pack: where it lies and what it must hash to."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    digest: str
+    split_dim: int
+    replicated: bool
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def layout_pack(slices: Sequence[TensorSlice], align: int = PACK_ALIGN) -> tuple[list[int], int]:
+    """Offsets of ``slices`` packed in order, each aligned, and the pack's size. Pure.
+
+    The size is at least ``align`` so that even an all-empty pack can be mapped.
+    """
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"alignment {align} is not a power of two")
+    offsets: list[int] = []
+    end = 0
+    for s in slices:
+        start = _align(end, align)
+        offsets.append(start)
+        end = start + s.nbytes
+    return offsets, max(_align(end, align), align)
+
+
+class HostPack:
+    """A published rank pack: its sealed memfd, a read-only mapping, and its table.
+
+    The daemon keeps the descriptor (to pass to clients) and the mapping (to pin it
+    and to copy it to a GPU). :meth:`close` drops both; clients that mapped the memfd
+    keep their pages, which the kernel frees when the last mapping goes.
+    """
+
+    def __init__(self, fd: int, size: int, entries: tuple[PackEntry, ...], label: str) -> None:
+        self.fd = fd
+        self.size = size
+        self.entries = entries
+        self.label = label
+        self.mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        # numpy exports the mapping read-only and tells us its address (for pinning and
+        # host-to-device copies); ctypes would insist on a writable buffer.
+        self._array: np.ndarray | None = np.frombuffer(self.mapping, dtype=np.uint8)
+        self._unpin: Callable[[], None] | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return self._unpin is not None
+
+    def set_pinned(self, unpin: Callable[[], None]) -> None:
+        """Record that the mapping is page-locked; ``unpin`` runs before it is unmapped."""
+        self._unpin = unpin
+
+    @property
+    def address(self) -> int:
+        if self._array is None:
+            raise ValueError(f"pack {self.label} is closed")
+        return int(self._array.ctypes.data)
+
+    def close(self) -> None:
+        if self._array is None:
+            return
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self._array = None
+        self.mapping.close()
+        os.close(self.fd)
+
+
+def build_host_pack(model: LoadedModel, plan: RankPlan, anchor: AnchorFn, label: str) -> HostPack:
+    """Lay out, fill, seal and verify the pack for ``plan``; on doubt it raises, unpublished."""
+    digests = [anchor(model, s, plan) for s in plan.slices]
+
+    def fill(s: TensorSlice, into: memoryview) -> None:
+        model.store.read_pattern_into(s.shard, s.pattern, into)
+
+    return build_pack(plan.slices, digests, fill, label)
+
+
+#: ``fill(slice, into)``: write exactly the slice's bytes into ``into``.
+FillFn = Callable[[TensorSlice, memoryview], None]
+
+
+def build_pack(
+    slices: Sequence[TensorSlice], digests: Sequence[str], fill: FillFn, label: str
+) -> HostPack:
+    """A sealed, re-verified pack of ``slices`` (each must hash to its digest), from ``fill``.
+
+    Base weights fill from the shard store's descriptors; adapters from the verified
+    in-memory copy of their weights file. Either way nothing is published before the
+    sealed bytes were re-hashed against the digests.
+    """
+    offsets, size = layout_pack(slices)
+    fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        try:
+            # Size it (a file-size limit refuses that: EFBIG) and allocate every page now:
+            # a shortage is an error here, not SIGBUS or the OOM killer on first touch
+            # (PITFALLS: /dev/shm and shmem fill up silently).
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            raise PackMemoryExhausted(
+                f"cannot allocate {size} bytes of shared memory for pack {label}: {exc.strerror}"
+            ) from None
+        _fill(slices, fill, offsets, fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, PACK_SEALS)
+        entries = tuple(
+            PackEntry(s.name, s.dtype, s.shape, off, s.nbytes, d, s.split_dim, s.replicated)
+            for s, off, d in zip(slices, offsets, digests, strict=True)
+        )
+        pack = HostPack(fd, size, entries, label)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        _verify(pack, slices)
+    except BaseException:
+        pack.close()
+        raise
+    return pack
+
+
+def _fill(
+    slices: Sequence[TensorSlice], fill: FillFn, offsets: list[int], fd: int, size: int
+) -> None:
+    writer = mmap.mmap(fd, size)  # MAP_SHARED, writable: the one writer, unmapped before sealing
+    try:
+        with memoryview(writer) as view:
+            for s, off in zip(slices, offsets, strict=True):
+                if s.nbytes:
+                    fill(s, view[off : off + s.nbytes])
+    finally:
+        writer.close()
+
+
+def _verify(pack: HostPack, slices: Sequence[TensorSlice]) -> None:
+    """Hash every slice from the sealed memfd and compare with its anchored digest."""
+    with memoryview(pack.mapping) as view:
+
+        def digest(e: PackEntry) -> str:
+            h = hashlib.sha256()
+            h.update(view[e.offset : e.offset + e.nbytes])
+            return slice_digest(h)
+
+        workers = max(1, min(_HASH_THREADS, os.cpu_count() or 1, len(pack.entries)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="weightd-pack-hash") as pool:
+            actual = list(pool.map(digest, pack.entries))
+    for e, s, got in zip(pack.entries, slices, actual, strict=True):
+        if got != e.digest:
+            raise DataIntegrityError(
+                f"tensor {e.name!r} in shard {s.shard}: bytes copied into pack {pack.label} hash "
+                f"to {got}, the verified slice to {e.digest}"
+            )

@@ -1,0 +1,1 @@
+"""The models the daemon serves: loading, versions, reload, and watching their files."""

@@ -1,0 +1,225 @@
+"""The models a daemon serves: loading (verify before publish) and the live registry."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..base.errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady
+from ..checkpoint.description import Checkpoint
+from ..plan.builtin_rules import rules_for
+from ..plan.layout import Layout
+from ..plan.planner import ArchRules, RankPlan, plan
+from ..plan.rules import RuleTable
+from ..store.shards import ShardStore
+from ..trust.integrity import SliceAnchors
+from ..trust.manifest import FileDigest
+from ..trust.verify import VerifyOptions, first_problem, verify_checkpoint
+
+log = logging.getLogger("weightd.models")
+MAX_CACHED_PLANS = 256
+
+
+@dataclass
+class LoadedModel:
+    """A verified, open model. Immutable once published, except for being marked broken."""
+
+    checkpoint: Checkpoint
+    store: ShardStore
+    rules: ArchRules | None
+    tensor_digests: dict[str, str]
+    anchors: SliceAnchors
+    broken: str | None = None
+    #: The ``--rules`` tables it was loaded with, so a reload applies the same rules.
+    tables: tuple[RuleTable, ...] = ()
+    _plans: dict[Layout, RankPlan] = field(default_factory=dict)
+    #: Size and SHA-256 of every file read (config, index, shards), as verified.
+    file_digests: dict[str, FileDigest] = field(default_factory=dict)
+    #: What the checkpoint was checked against (a signed manifest, cache blob names).
+    trust: tuple[str, ...] = ()
+    #: Why the files on disk no longer hold this version (a shard replaced or removed),
+    #: while it keeps serving its verified, still-open files; None when they do.
+    stale: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.checkpoint.name
+
+    def plan(self, world_size: int, rank: int, names: tuple[str, ...] = ()) -> RankPlan:
+        """The tensor-parallel-only shorthand of :meth:`plan_layout`."""
+        return self.plan_layout(Layout.tp(world_size, rank), names)
+
+    def plan_layout(self, layout: Layout, names: tuple[str, ...] = ()) -> RankPlan:
+        if names:
+            return plan(self.checkpoint, self.rules, layout, names)
+        found = self._plans.get(layout)
+        if found is None:
+            found = plan(self.checkpoint, self.rules, layout)
+            if len(self._plans) < MAX_CACHED_PLANS:  # layouts are client-chosen: bound them
+                self._plans[layout] = found
+        return found
+
+
+#: Every state :func:`model_state` reports (a bounded metric label).
+MODEL_STATES = ("loading", "ready", "stale", "broken")
+
+
+def model_state(model: LoadedModel | None, loading: bool) -> tuple[str, str]:
+    """(state, reason) of a registry entry (pure). Broken wins over stale: it serves nothing."""
+    if model is None:
+        return ("loading", "being verified") if loading else ("loading", "")
+    if model.broken is not None:
+        extra = f"; on disk: {model.stale}" if model.stale else ""
+        return "broken", model.broken + extra
+    if model.stale is not None:
+        return "stale", model.stale
+    return "ready", ""
+
+
+def load_model(
+    model_dir: str,
+    name: str | None = None,
+    tables: Sequence[RuleTable] = (),
+    *,
+    options: VerifyOptions | None = None,
+) -> LoadedModel:
+    """Open, parse, check and hash a checkpoint; the result is safe to publish.
+
+    ``tables`` are the user's rules tables (``--rules``), tried before the built-ins.
+    Every check of :func:`~weightd.server.trust.verify.verify_checkpoint` must pass (with
+    ``options`` naming the trust sources and the hash cache); otherwise the first
+    problem is raised, saying how many more there are, and nothing stays open.
+    """
+    v = verify_checkpoint(model_dir, name, options)
+    store = v.store
+    try:
+        if v.checkpoint is None or v.problems:
+            raise first_problem(v.problems, model_dir)
+        ckpt = v.checkpoint
+        rules = rules_for(ckpt.config, tables)
+        digests = v.tensor_digests
+    except BaseException:
+        store.close()
+        raise
+    for line in v.trust:
+        log.info("model %s matches %s", ckpt.name, line)
+    return LoadedModel(
+        ckpt,
+        store,
+        rules,
+        digests,
+        SliceAnchors(store, digests),
+        tables=tuple(tables),
+        file_digests=v.files,
+        trust=tuple(v.trust),
+    )
+
+
+class ModelRegistry:
+    """Name → model, with the states a client can observe (loading, ready, broken)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loading: set[str] = set()
+        self._models: dict[str, LoadedModel] = {}
+        self._listeners: list[Callable[[str, bool], None]] = []
+
+    def on_change(self, listener: Callable[[str, bool], None]) -> None:
+        """Call ``listener(model_name, serving)`` whenever a model's readiness changes."""
+        self._listeners.append(listener)
+
+    def _notify(self, name: str, serving: bool) -> None:
+        for listener in self._listeners:
+            listener(name, serving)
+
+    def expect(self, name: str) -> None:
+        with self._lock:
+            self._loading.add(name)
+        self._notify(name, False)
+
+    def publish(self, model: LoadedModel) -> None:
+        with self._lock:
+            old = self._models.get(model.name)
+            self._models[model.name] = model
+            self._loading.discard(model.name)
+        if old is not None and old is not model:
+            # Fetches still streaming from the old version hold a reference to it:
+            # close its files when the last one lets go, not under their feet.
+            weakref.finalize(old, old.store.close)
+        self._notify(model.name, True)
+
+    def mark_broken(self, model: LoadedModel, reason: str) -> None:
+        if model.broken is None:
+            model.broken = reason
+            log.error("model %s stops serving: %s", model.name, reason)
+            with self._lock:
+                current = self._models.get(model.name) is model
+            if current:  # a replaced version breaking does not affect its successor
+                self._notify(model.name, False)
+
+    def mark_stale(self, model: LoadedModel, reason: str) -> None:
+        """Record that ``model``'s files on disk differ from it; it keeps serving.
+
+        Serving goes on because every byte it hands out is still its verified one
+        (descriptors stay on the verified inodes); NOT_SERVING would take a host down
+        in the middle of the documented publish flow (rename new shards into place,
+        then reload). ListModels and ``weightd_model_state`` report it.
+        """
+        if model.stale != reason:
+            model.stale = reason
+            log.warning(
+                "model %s: files on disk differ from the served version: %s", model.name, reason
+            )
+
+    def state(self, name: str) -> tuple[str, str]:
+        """(state, reason) of ``name``: loading, ready, stale or broken, and why (pure read)."""
+        with self._lock:
+            model = self._models.get(name)
+            loading = name in self._loading
+        return model_state(model, loading)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._loading | self._models.keys())
+
+    def models(self) -> list[LoadedModel]:
+        with self._lock:
+            return [self._models[n] for n in sorted(self._models)]
+
+    def is_ready(self, name: str) -> bool:
+        with self._lock:
+            m = self._models.get(name)
+        return m is not None and m.broken is None
+
+    def get(self, name: str) -> LoadedModel:
+        """The ready model called ``name`` (or the only model when ``name`` is empty)."""
+        with self._lock:
+            if not name:
+                every = self._loading | self._models.keys()
+                if len(every) != 1:
+                    raise InvalidRequest(
+                        f"this daemon serves {len(every)} models ({', '.join(sorted(every))}); "
+                        "name one"
+                    )
+                (name,) = every
+            model = self._models.get(name)
+            loading = name in self._loading
+        if model is None:
+            if loading:
+                raise ModelNotReady(f"model {name!r} is still being verified")
+            raise ModelNotFound(
+                f"model {name!r} is not served here (serving: {', '.join(self.names())})"
+            )
+        if model.broken is not None:
+            raise DataIntegrityError(f"model {name!r} is not served until reloaded: {model.broken}")
+        return model
+
+    def close(self) -> None:
+        with self._lock:
+            models = list(self._models.values())
+            self._models.clear()
+        for m in models:
+            m.store.close()

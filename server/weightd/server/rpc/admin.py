@@ -1,0 +1,121 @@
+"""The ``weightd.v1.Admin`` service, served only on the admin listener.
+
+Why a separate listener rather than a check inside one server: a worker's connection
+can then never reach an admin method, whatever its credentials, and the admin
+socket's permissions (or mutual TLS with an allow-list) are the whole access rule.
+The worker listener answers Admin methods with PERMISSION_DENIED (:class:`~.guards.AdminGate`).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+
+from weightd.v1 import weightd_pb2 as pb
+from weightd.v1 import weightd_pb2_grpc as pb_grpc
+
+from ..base.errors import NoAdapters, status_for
+from ..registry.loading import Reloader
+from .adapters import Adapters
+from .guards import AdminAuthorizer
+from .interceptors import RpcObserver
+
+log = logging.getLogger("weightd.admin")
+
+
+def _admin(method: str, context: grpc.ServicerContext, error: BaseException) -> None:
+    code, detail = status_for(error)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=error)
+    context.abort(code, detail)
+
+
+class AdminService(pb_grpc.AdminServicer):
+    def __init__(self, reloader: Reloader, adapters: Adapters | None = None) -> None:
+        self._reloader = reloader
+        self._adapters = adapters
+
+    def _a(self) -> Adapters:
+        if self._adapters is None:
+            raise NoAdapters("this daemon serves no adapters")
+        return self._adapters
+
+    def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.AdapterStatus:
+        try:
+            return self._a().load(request)
+        except Exception as exc:
+            _admin("LoadAdapter", context, exc)
+            raise
+
+    def UnloadAdapter(
+        self, request: pb.AdapterNameRequest, context: grpc.ServicerContext
+    ) -> pb.AdapterStatus:
+        try:
+            return self._a().unload(request)
+        except Exception as exc:
+            _admin("UnloadAdapter", context, exc)
+            raise
+
+    def ListAdapters(
+        self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext
+    ) -> pb.ListAdaptersResponse:
+        try:
+            return self._a().list()
+        except Exception as exc:
+            _admin("ListAdapters", context, exc)
+            raise
+
+    def PinAdapter(
+        self, request: pb.AdapterNameRequest, context: grpc.ServicerContext
+    ) -> pb.AdapterStatus:
+        try:
+            return self._a().pin(request, True)
+        except Exception as exc:
+            _admin("PinAdapter", context, exc)
+            raise
+
+    def UnpinAdapter(
+        self, request: pb.AdapterNameRequest, context: grpc.ServicerContext
+    ) -> pb.AdapterStatus:
+        try:
+            return self._a().pin(request, False)
+        except Exception as exc:
+            _admin("UnpinAdapter", context, exc)
+            raise
+
+    def Reload(self, request: pb.ReloadRequest, context: grpc.ServicerContext) -> pb.ReloadResponse:
+        try:
+            result = self._reloader.reload(request.model)
+        except Exception as exc:
+            code, detail = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.error("Reload failed", exc_info=exc)
+            context.abort(code, detail)
+        ckpt = result.model.checkpoint
+        return pb.ReloadResponse(
+            model=ckpt.name,
+            num_tensors=len(ckpt.tensors),
+            total_bytes=ckpt.total_bytes,
+            verify_seconds=result.seconds,
+        )
+
+
+def create_admin_server(
+    reloader: Reloader,
+    observer: RpcObserver,
+    allowed: frozenset[str] | None,
+    adapters: Adapters | None = None,
+) -> grpc.Server:
+    """A small gRPC server carrying only the Admin service (ports are added by the caller)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightd-admin"),
+        interceptors=[observer, AdminAuthorizer(allowed)],
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10)],
+        maximum_concurrent_rpcs=4,
+    )
+    pb_grpc.add_AdminServicer_to_server(AdminService(reloader, adapters), server)
+    return server

@@ -1,0 +1,311 @@
+"""The gRPC servicer: thin. It resolves, plans, streams; errors become statuses in one place."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, Final, TypeVar
+
+import grpc
+from prometheus_client import Counter
+
+from weightd.common.digests import slice_digest
+from weightd.v1 import weightd_pb2 as pb
+
+from ..base.errors import DataIntegrityError, ModelChanged, NoAdapters, WeightdError, status_for
+from ..plan.layout import Layout
+from ..plan.planner import RankPlan
+from ..plan.slices import TensorSlice, peer_slices
+from ..registry.models import LoadedModel, ModelRegistry
+from ..store.runs import RunPattern
+from .adapters import Adapters
+from .resume import fingerprint, resume_start
+from .wire import Buffer, EncodedResponse, serialize_fetch_response
+
+log = logging.getLogger("weightd.service")
+
+DEFAULT_CHUNK_BYTES: Final = 1 << 20  # fastest measured here (PERFORMANCE.md)
+MAX_CHUNK_BYTES: Final = 4 << 20
+MIN_CHUNK_BYTES: Final = 4 << 10
+#: The worker-facing service's full name in the proto.
+SERVICE: Final = "weightd.v1.Weights"
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def _abort(context: grpc.ServicerContext, error: BaseException, method: str) -> None:
+    code, detail = status_for(error)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=error)
+    context.abort(code, detail)
+
+
+def unary(
+    fn: Callable[[WeightsService, Req, grpc.ServicerContext], Resp],
+) -> Callable[[WeightsService, Req, grpc.ServicerContext], Resp]:
+    @functools.wraps(fn)
+    def wrapper(self: WeightsService, request: Req, context: grpc.ServicerContext) -> Resp:
+        try:
+            return fn(self, request, context)
+        except Exception as exc:
+            _abort(context, exc, fn.__name__)
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def layout_of(msg: pb.Layout) -> Layout:
+    """The wire layout; pipeline/expert fields left at 0 by older clients mean size 1."""
+    return Layout(
+        tp_size=msg.tp_size,
+        tp_rank=msg.tp_rank,
+        pp_size=msg.pp_size or 1,
+        pp_rank=msg.pp_rank,
+        ep_size=msg.ep_size or 1,
+        ep_rank=msg.ep_rank,
+        pp_layers=tuple(msg.pp_layers),
+    )
+
+
+class WeightsService:
+    """The ``weightd.v1.Weights`` methods; register with :func:`add_weights_service`."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        adapters: Adapters | None = None,
+        resumes: Counter | None = None,
+    ) -> None:
+        self.registry = registry
+        self.chunk_bytes = chunk_bytes
+        self.adapters = adapters
+        #: ``weightd_fetch_resumes_total``: how often restarts cost clients a resume.
+        self.resumes = resumes
+
+    def _adapters(self) -> Adapters:
+        if self.adapters is None:
+            raise NoAdapters("this daemon serves no adapters")
+        return self.adapters
+
+    def FetchAdapter(
+        self, request: pb.FetchAdapterRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.FetchResponse]:
+        try:
+            adapters = self._adapters()
+        except Exception as exc:
+            _abort(context, exc, "FetchAdapter")
+            return
+        yield from adapters.fetch(request, context)
+
+    def WatchAdapters(
+        self, request: pb.WatchAdaptersRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.AdapterEvent]:
+        try:
+            adapters = self._adapters()
+        except Exception as exc:
+            _abort(context, exc, "WatchAdapters")
+            return
+        yield from adapters.watch(context)
+
+    @unary
+    def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.ServicerContext
+    ) -> pb.ListModelsResponse:
+        loaded = {m.name: m for m in self.registry.models()}
+        out = pb.ListModelsResponse()
+        for name in self.registry.names():
+            m = loaded.get(name)
+            state, reason = self.registry.state(name)
+            if m is None:
+                out.models.add(name=name, ready=False, state=state, reason=reason)
+                continue
+            out.models.add(
+                name=name,
+                architecture=m.checkpoint.architecture,
+                total_bytes=m.checkpoint.total_bytes,
+                num_tensors=len(m.checkpoint.tensors),
+                ready=self.registry.is_ready(name),
+                state=state,
+                reason=reason,
+            )
+        return out
+
+    @unary
+    def DescribeModel(
+        self, request: pb.DescribeModelRequest, context: grpc.ServicerContext
+    ) -> pb.ModelDescription:
+        m = self.registry.get(request.model)
+        ckpt = m.checkpoint
+        out = pb.ModelDescription(
+            name=ckpt.name,
+            architecture=ckpt.architecture,
+            config_json=ckpt.config_json,
+            total_bytes=ckpt.total_bytes,
+        )
+        for t in ckpt.tensors.values():
+            out.tensors.add(
+                name=t.name,
+                dtype=t.dtype,
+                shape=t.shape,
+                shard=t.shard,
+                nbytes=t.nbytes,
+                digest=m.tensor_digests[t.name],
+            )
+        return out
+
+    def Fetch(
+        self, request: pb.FetchRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.FetchResponse | EncodedResponse]:
+        model: LoadedModel | None = None
+        try:
+            model = self.registry.get(request.model)
+            plan = model.plan_layout(layout_of(request.layout), tuple(request.names))
+            chunk = request.max_chunk_bytes or self.chunk_bytes
+            chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, chunk))
+            served = fingerprint(model)
+            try:
+                start = resume_start(
+                    model.name,
+                    request.start_index,
+                    request.model_fingerprint,
+                    served,
+                    len(plan.slices),
+                )
+            except ModelChanged:
+                self._count_resume(model.name, "refused")
+                raise
+            if start:
+                self._count_resume(model.name, "resumed")
+                log.info(
+                    "fetch resumed model=%s start_index=%d num_tensors=%d peer=%s",
+                    model.name,
+                    start,
+                    len(plan.slices),
+                    context.peer(),
+                )
+            yield pb.FetchResponse(model_fingerprint=served)
+            yield from self._stream(model, plan, chunk, context, start)
+        except Exception as exc:
+            if isinstance(exc, DataIntegrityError) and model is not None:
+                self.registry.mark_broken(model, str(exc))
+            if not isinstance(exc, WeightdError) and not context.is_active():
+                return  # the client went away mid-stream; nothing to report to anyone
+            _abort(context, exc, "Fetch")
+
+    def _count_resume(self, model: str, outcome: str) -> None:
+        if self.resumes is not None:
+            self.resumes.labels(model, outcome).inc()
+
+    def _anchor(self, model: LoadedModel, s: TensorSlice, plan: RankPlan) -> str:
+        """The verified digest of ``s``: every peer slice of its cut, anchored together."""
+        tensor = model.checkpoint.tensors[s.name]
+        if s.partition.count == 1:
+            return model.anchors.get(tensor, s.partition.key, 0, lambda: [s.pattern])
+
+        def every_peer() -> list[RunPattern]:
+            return [p.pattern for p in peer_slices(model.checkpoint, model.rules, s, plan.layout)]
+
+        return model.anchors.get(tensor, s.partition.key, s.partition.index, every_peer)
+
+    def slice_anchor(self, model: LoadedModel, s: TensorSlice, plan: RankPlan) -> str:
+        """The anchored digest of ``s``; rank packs are checked against the same anchors."""
+        return self._anchor(model, s, plan)
+
+    def _stream(
+        self,
+        model: LoadedModel,
+        plan: RankPlan,
+        chunk: int,
+        context: grpc.ServicerContext,
+        start: int = 0,
+    ) -> Iterator[EncodedResponse]:
+        """The rank's chunks, ``chunk`` payload bytes per message at most, hand-encoded.
+
+        Each slice's bytes are hashed as they are read; the piece that completes a slice
+        carries its digest only once those bytes were found to hash to the verified
+        (anchored) digest. Pieces are referenced, not copied, until gRPC serializes the
+        message (see :mod:`.fetchwire` for why messages are not built with protobuf).
+        """
+        pending = EncodedResponse()
+        for index, s in enumerate(plan.slices):
+            if index < start:
+                continue  # a resume: the client holds these already
+            if not context.is_active():
+                return
+            anchored = self._anchor(model, s, plan)
+            header: pb.SliceHeader | None = pb.SliceHeader(
+                name=s.name,
+                dtype=s.dtype,
+                shape=s.shape,
+                nbytes=s.nbytes,
+                split_dim=s.split_dim,
+                replicated=s.replicated,
+            )
+            hasher = hashlib.sha256()
+            offset = 0
+            pieces: Iterator[Buffer] = model.store.iter_pattern(s.shard, s.pattern, chunk)
+            if s.nbytes == 0:
+                pieces = iter([b""])
+            for data in pieces:
+                size = len(data)
+                hasher.update(data)
+                digest = ""
+                if offset + size == s.nbytes:
+                    actual = slice_digest(hasher)
+                    if actual != anchored:
+                        raise DataIntegrityError(
+                            f"tensor {s.name!r} in shard {s.shard}: slice bytes read now hash to "
+                            f"{actual}, the verified slice to {anchored}"
+                        )
+                    digest = anchored
+                if not pending.empty and pending.payload_bytes + size > chunk:
+                    yield pending
+                    pending = EncodedResponse()
+                pending.add_chunk(index, offset, data, header=header, digest=digest)
+                header = None  # the first chunk of a slice only
+                offset += size
+        pending.set_done(pb.FetchDone(num_tensors=len(plan.slices), total_bytes=plan.nbytes))
+        yield pending
+
+
+def add_weights_service(service: WeightsService, server: grpc.Server) -> None:
+    """Register ``service`` for every method of ``weightd.v1.Weights`` on ``server``.
+
+    What the generated ``add_WeightsServicer_to_server`` does, except that Fetch's
+    responses go through :func:`.fetchwire.serialize_fetch_response`, which accepts the
+    hand-encoded messages :meth:`WeightsService.Fetch` yields (same wire bytes).
+    ``tests/unit/test_fetchwire.py`` checks this table against the proto's methods.
+    """
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels,
+            request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+        "DescribeModel": grpc.unary_unary_rpc_method_handler(
+            service.DescribeModel,
+            request_deserializer=pb.DescribeModelRequest.FromString,
+            response_serializer=pb.ModelDescription.SerializeToString,
+        ),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            service.Fetch,
+            request_deserializer=pb.FetchRequest.FromString,
+            response_serializer=serialize_fetch_response,
+        ),
+        "FetchAdapter": grpc.unary_stream_rpc_method_handler(
+            service.FetchAdapter,
+            request_deserializer=pb.FetchAdapterRequest.FromString,
+            response_serializer=pb.FetchResponse.SerializeToString,
+        ),
+        "WatchAdapters": grpc.unary_stream_rpc_method_handler(
+            service.WatchAdapters,
+            request_deserializer=pb.WatchAdaptersRequest.FromString,
+            response_serializer=pb.AdapterEvent.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)

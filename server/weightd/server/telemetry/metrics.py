@@ -1,0 +1,204 @@
+"""The daemon's Prometheus instruments, on a registry the caller injects.
+
+Why injected: tests build their own :class:`~prometheus_client.CollectorRegistry`
+and read values with ``get_sample_value``; the daemon never touches the global
+default registry, so two daemons in one process (tests) never collide.
+
+Conventions (checked by ``promtool check metrics`` on a real scrape): a ``weightd_``
+prefix, base units (``_bytes``, ``_seconds``), counters ending in ``_total``, and
+only bounded label values: model names come from the operator's ``--model`` flags,
+methods and codes from the proto and gRPC's fixed set, never from a client string.
+
+What is measured where: RPC counts, latency, bytes served and active streams come
+from the server interceptor (:mod:`.rpc_observer`); memory (file mappings, page
+cache residency, GPU) is computed on scrape by :mod:`.collectors`, off the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Final
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from ..base import errors
+
+log = logging.getLogger("weightd.metrics")
+
+#: Fetch streams take from milliseconds (a few small tensors) to minutes (a whole
+#: 70B rank over a slow link).
+FETCH_BUCKETS: Final = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: Verification reads and hashes every byte once: seconds to tens of minutes.
+VERIFY_BUCKETS: Final = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+#: Failure reasons, most specific class first (pure table; see :func:`failure_reason`).
+_REASONS: Final[tuple[tuple[type[BaseException], str], ...]] = (
+    (errors.HeaderError, "header"),
+    (errors.IndexFileError, "index"),
+    (errors.ConfigError, "config"),
+    (errors.UnsafePathError, "unsafe_path"),
+    (errors.CheckpointError, "checkpoint"),
+    (errors.DataIntegrityError, "digest_mismatch"),
+    (errors.NoShardingRules, "sharding_rules"),
+    (errors.ShardingError, "sharding_rules"),
+    (errors.WeightdError, "other"),
+    (OSError, "io"),
+)
+
+#: Every value :func:`failure_reason` can return: the label's whole domain.
+FAILURE_REASONS: Final = frozenset({r for _, r in _REASONS} | {"internal"})
+
+
+def failure_reason(error: BaseException) -> str:
+    """A bounded label for why a model failed verification (pure)."""
+    for cls, reason in _REASONS:
+        if isinstance(error, cls):
+            return reason
+    return "internal"
+
+
+@dataclass
+class Metrics:
+    """The instruments the daemon updates as things happen (everything else is on scrape)."""
+
+    registry: CollectorRegistry
+    rpcs: Counter
+    active_streams: Gauge
+    fetch_seconds: Histogram
+    served_bytes: Counter
+    verify_seconds: Histogram
+    verify_failures: Counter
+    reloads: Counter
+    scrape_errors: Counter
+    fetch_resumes: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, *, version: str = "") -> Metrics:
+        """Register the instruments, the standard process collectors and build info."""
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, open fds, CPU...
+        PlatformCollector(registry=registry)  # python_info
+        GCCollector(registry=registry)
+        registry.register(_BuildInfo(version))
+        return cls(
+            registry=registry,
+            rpcs=Counter(
+                "weightd_rpcs",
+                "RPCs handled, by service, method and final status code.",
+                ["service", "method", "code"],
+                registry=registry,
+            ),
+            active_streams=Gauge(
+                "weightd_active_streams",
+                "Server-streaming RPCs in flight (Fetch, health Watch), by method.",
+                ["service", "method"],
+                registry=registry,
+            ),
+            fetch_seconds=Histogram(
+                "weightd_fetch_duration_seconds",
+                "Duration of Fetch streams that completed OK, by transport.",
+                ["transport"],
+                buckets=FETCH_BUCKETS,
+                registry=registry,
+            ),
+            served_bytes=Counter(
+                "weightd_served_bytes",
+                "Tensor payload bytes sent to workers, by transport and model.",
+                ["transport", "model"],
+                registry=registry,
+            ),
+            verify_seconds=Histogram(
+                "weightd_verification_duration_seconds",
+                "Time to read, check and hash a model (load or reload) that passed.",
+                ["model"],
+                buckets=VERIFY_BUCKETS,
+                registry=registry,
+            ),
+            verify_failures=Counter(
+                "weightd_verification_failures",
+                "Model loads or reloads that failed verification, by model and reason.",
+                ["model", "reason"],
+                registry=registry,
+            ),
+            reloads=Counter(
+                "weightd_reloads",
+                "Admin reloads, by model and outcome (ok, failed).",
+                ["model", "outcome"],
+                registry=registry,
+            ),
+            scrape_errors=Counter(
+                "weightd_scrape_errors",
+                "Errors while computing a metric on scrape (the series is skipped), by collector.",
+                ["collector"],
+                registry=registry,
+            ),
+            fetch_resumes=Counter(
+                "weightd_fetch_resumes",
+                "Fetch streams asking to resume an interrupted fetch, by model and outcome "
+                "(resumed; refused: the content changed, the client starts again from 0).",
+                ["model", "outcome"],
+                registry=registry,
+            ),
+        )
+
+    def model_known(self, model: str) -> None:
+        """Create the per-model series at zero once the operator's model is known, so
+        rates and alerts work from the first scrape rather than from the first event."""
+        self.served_bytes.labels("grpc", model)
+        self.reloads.labels(model, "ok")
+        self.reloads.labels(model, "failed")
+
+
+class _BuildInfo:
+    """``weightd_build_info{version} 1``: lets dashboards tell versions apart."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "weightd_build_info", "weightd version; always 1.", labels=["version"]
+        )
+        g.add_metric([self.version], 1)
+        return [g]
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return self.collect()
+
+
+@dataclass
+class MetricsServer:
+    """The HTTP listener Prometheus scrapes (``/metrics``); separate from gRPC on purpose:
+    scrapers need no gRPC, TLS or socket permissions, and a scrape never competes with
+    a Fetch for an RPC thread."""
+
+    server: WSGIServer
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
+    """Start the metrics listener on ``host:port`` (port 0 picks a free one)."""
+    from ..daemon.addresses import ListenError
+
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ListenError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
+    return MetricsServer(server, thread, host, int(server.server_port))

@@ -1,0 +1,303 @@
+"""Verifying a checkpoint end to end: structure, config, digests, trust. The I/O side.
+
+One function, :func:`verify_checkpoint`, serves both ``weightd serve`` (which
+publishes only when the problem list is empty) and ``weightd verify`` (which prints
+it). It goes as far as it usefully can and collects every problem on the way:
+
+1. trust sources: the manifest is parsed and its signature checked before anything
+   is hashed (a bad signature makes hashing pointless);
+2. structure: index, every shard header, cross-checks (see :mod:`.checkpoint_scan`);
+3. config: parameter names, shapes and dtypes (see :mod:`.config_check`);
+4. digests: one pass per shard for SHA-256 and per-tensor BLAKE3 (or the hash
+   cache, when the shard's fstat key is unchanged);
+5. comparison with the manifest and/or the Hugging Face cache blob names.
+
+Digests are computed only for a structurally sound checkpoint; the report says so
+when they were skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import stat
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..base.errors import CheckpointError, ManifestSyntaxError, WeightdError
+from ..checkpoint.config_check import check_layout
+from ..checkpoint.description import Checkpoint
+from ..checkpoint.scan import Scan, scan_checkpoint
+from ..store.shards import ShardStore
+from ..telemetry.progress import Reporter
+from .hashcache import CacheEntry, HashCache
+from .hashing import Progress, ShardDigests, ShardJob, TensorRange, hash_shards
+from .hfcache import HashedFile, Snapshot, blob_kind, check_link, compare_blobs, snapshot_of
+from .manifest import MAX_MANIFEST_BYTES, FileDigest, Manifest, compare, parse_manifest
+from .signing import TrustedKey, check_signature, load_public_key
+
+log = logging.getLogger("weightd.verify")
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """How a checkpoint is verified and what it must be traceable to."""
+
+    #: Manifest per model name ("" applies to any model without its own).
+    manifests: Mapping[str, str] = field(default_factory=dict)
+    #: Public keys (files) a manifest must be signed by; empty: signatures not required.
+    trust_keys: tuple[str, ...] = ()
+    #: Require the checkpoint to be a Hugging Face cache snapshot whose blob names match.
+    trust_hf_cache: bool = False
+    #: Directory of the hash cache; None: no cache.
+    hash_cache_dir: str | None = None
+    #: Hash every shard even when the cache has it.
+    reverify: bool = False
+    #: Shards hashed at once (None: one per core).
+    threads: int | None = None
+    #: Report hashing progress (a bar on a terminal, log lines otherwise).
+    progress: bool = True
+    #: Compute each shard's SHA-256. None: only when a manifest or the cache blob
+    #: names will be compared with it (serving itself needs the per-tensor BLAKE3 only).
+    file_sha256: bool | None = None
+
+    def manifest_for(self, name: str) -> str | None:
+        return self.manifests.get(name) or self.manifests.get("")
+
+
+@dataclass
+class Verification:
+    """What verifying found. ``ok`` only when there is a checkpoint and no problem."""
+
+    root: str
+    name: str
+    store: ShardStore
+    checkpoint: Checkpoint | None
+    problems: list[WeightdError]
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, FileDigest] = field(default_factory=dict)
+    tensor_digests: dict[str, str] = field(default_factory=dict)
+    cached_shards: list[str] = field(default_factory=list)
+    hashed_bytes: int = 0
+    hash_seconds: float = 0.0
+    trust: list[str] = field(default_factory=list)  # what the checkpoint was checked against
+    config_summary: str = ""  # what the config check covered
+
+    @property
+    def ok(self) -> bool:
+        return self.checkpoint is not None and not self.problems
+
+
+def first_problem(problems: list[WeightdError], model_dir: str) -> WeightdError:
+    """The first problem, its message saying how many more ``weightd verify`` would list."""
+    if not problems:
+        return CheckpointError(model_dir, "verification failed without a reported problem")
+    first = problems[0]
+    if len(problems) > 1 and "more problem" not in first.message:
+        first.message += f" (and {len(problems) - 1} more problems: weightd verify {model_dir})"
+    return first
+
+
+def read_operator_file(path: str, limit: int, error: type[CheckpointError]) -> bytes:
+    """Read a file the operator named (a manifest): regular, bounded, never a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise error(path, f"cannot open: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(path, "is not a regular file")
+        os.set_blocking(fd, True)
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise error(path, f"larger than the {limit}-byte limit")
+    return data
+
+
+def _prepare_trust(
+    v: Verification, options: VerifyOptions
+) -> tuple[Manifest | None, Snapshot | None, bool]:
+    """Load the manifest (signature checked) and the snapshot. False: trust failed."""
+    manifest_path = options.manifest_for(v.name)
+    manifest = None
+    snapshot = None
+    try:
+        keys: list[TrustedKey] = [load_public_key(k) for k in options.trust_keys]
+        if manifest_path is not None:
+            raw = read_operator_file(manifest_path, MAX_MANIFEST_BYTES, ManifestSyntaxError)
+            manifest = parse_manifest(manifest_path, raw)
+            if keys:
+                signer = check_signature(manifest, keys)
+                v.trust.append(
+                    f"manifest {manifest_path}, signed by {signer.key_id} ({signer.path})"
+                )
+            else:
+                v.trust.append(f"manifest {manifest_path} (signature not checked: no --trust-key)")
+                v.notes.append(
+                    "the manifest's signature was not checked: it proves integrity, not origin"
+                )
+        if options.trust_hf_cache:
+            snapshot = snapshot_of(v.root)
+            v.trust.append(f"Hugging Face cache blobs of {snapshot.repo} @ {snapshot.revision}")
+    except CheckpointError as exc:
+        v.problems.append(exc)
+        return None, None, False
+    return manifest, snapshot, True
+
+
+def verify_checkpoint(
+    model_dir: str, name: str | None = None, options: VerifyOptions | None = None
+) -> Verification:
+    """Check everything that can be checked; the caller owns (and closes) ``store``.
+
+    Never raises a WeightdError: every problem is in ``problems``.
+    """
+    options = options or VerifyOptions()
+    root = os.path.realpath(model_dir)
+    model_name = name or os.path.basename(root)
+    placeholder = ShardStore(root)
+    v = Verification(root, model_name, placeholder, None, [])
+    manifest, snapshot, trusted = _prepare_trust(v, options)
+    scan = scan_checkpoint(model_dir, model_name, link_root=snapshot.blobs if snapshot else None)
+    v.store = scan.store
+    v.problems.extend(scan.problems)
+    if scan.config is not None and scan.checkpoint is not None:
+        layout = check_layout(root, scan.config, scan.checkpoint.tensors)
+        v.problems.extend(layout.problems)
+        v.notes.extend(layout.notes)
+        if layout.layout is not None:
+            v.config_summary = (
+                f"{layout.layout.architecture} ({layout.layout.family} family): tensor names, "
+                f"shapes and dtypes checked against config.json"
+            )
+    if snapshot is not None:
+        v.problems.extend(_check_links(snapshot, scan))
+    ckpt = scan.checkpoint
+    if ckpt is None or v.problems or not trusted:
+        v.notes.append("digests not computed: fix the problems above first")
+        return v
+    need_sha256 = options.file_sha256
+    if need_sha256 is None:
+        need_sha256 = manifest is not None or snapshot is not None
+    try:
+        shard_digests = _digests(v, ckpt, scan.store, options, snapshot is not None, need_sha256)
+    except WeightdError as exc:  # a shard changed or shrank while it was read
+        v.problems.append(exc)
+        return v
+    for shard, d in shard_digests.items():
+        if d.sha256:
+            v.files[shard] = FileDigest(d.size, d.sha256)
+        v.tensor_digests.update(d.tensors)
+    for small in ckpt.small_files.values():
+        v.files[small.name] = FileDigest(small.size, small.sha256)
+    if manifest is not None:
+        v.problems.extend(compare(manifest, ckpt, v.files, v.tensor_digests))
+    if snapshot is not None:
+        hashed = {
+            s: HashedFile(scan.store.shard(s).real_path, d.sha256, d.git_sha1)
+            for s, d in shard_digests.items()
+        }
+        for small in ckpt.small_files.values():
+            hashed[small.name] = HashedFile(small.real_path, small.sha256, small.git_sha1)
+        v.problems.extend(compare_blobs(root, hashed))
+    if v.problems:
+        v.checkpoint = None
+    else:
+        v.checkpoint = ckpt
+    return v
+
+
+def _check_links(snapshot: Snapshot, scan: Scan) -> list[WeightdError]:
+    problems: list[WeightdError] = []
+    for small in scan.small_files.values():
+        p = check_link(snapshot, scan.root, small.name, small.real_path)
+        if p is not None:
+            problems.append(p)
+    for name, shard in scan.store.shards.items():
+        p = check_link(snapshot, scan.root, name, shard.real_path)
+        if p is not None:
+            problems.append(p)
+    return problems
+
+
+def _digests(
+    v: Verification,
+    ckpt: Checkpoint,
+    store: ShardStore,
+    options: VerifyOptions,
+    need_git_sha1: bool,
+    need_sha256: bool,
+) -> dict[str, ShardDigests]:
+    """Every shard's digests, from the cache where its key still matches, else hashed."""
+    ranges: dict[str, list[TensorRange]] = {s: [] for s in ckpt.shards}
+    for t in ckpt.tensors.values():
+        ranges[t.shard].append(TensorRange(t.name, t.offset, t.nbytes))
+    cache = (
+        HashCache(options.hash_cache_dir, ckpt.root) if options.hash_cache_dir is not None else None
+    )
+    out: dict[str, ShardDigests] = {}
+    jobs: list[ShardJob] = []
+    for shard in ckpt.shards:
+        opened = store.shard(shard)
+        rs = tuple(sorted(ranges[shard], key=lambda r: r.offset))
+        git = need_git_sha1 and blob_kind(opened.real_path) == "git_sha1"
+        if cache is not None and not options.reverify:
+            hit = cache.lookup(shard, opened.real_path, opened.identity, rs, git, need_sha256)
+            if hit is not None:
+                out[shard] = hit
+                v.cached_shards.append(shard)
+                continue
+        jobs.append(
+            ShardJob(
+                shard,
+                opened.path,
+                opened.fd,
+                opened.identity.size,
+                rs,
+                git_sha1=git,
+                sha256=need_sha256,
+                check=functools.partial(store.check_identical, shard),
+            )
+        )
+    total = sum(j.size for j in jobs)
+    reporter = Reporter(f"hashing {ckpt.name}") if options.progress and total else None
+    progress = Progress(total, reporter.advance if reporter else None)
+    started = time.monotonic()
+    try:
+        hashed = hash_shards(jobs, options.threads, progress)
+    finally:
+        if reporter is not None:
+            reporter.close()
+    v.hash_seconds = time.monotonic() - started
+    v.hashed_bytes = total
+    out.update(hashed)
+    if cache is not None and hashed:
+        cache.update(
+            {
+                # The identity at open, which the pass proved unchanged after reading
+                # (a fresh fstat here could pair a newer file with older digests).
+                shard: CacheEntry(
+                    store.shard(shard).real_path,
+                    store.shard(shard).identity,
+                    tuple(sorted(ranges[shard], key=lambda r: r.offset)),
+                    d,
+                )
+                for shard, d in hashed.items()
+            }
+        )
+    if jobs:
+        log.info(
+            "hashed %s: %d shards, %.2f GiB in %.2fs (%.2f GB/s, %s)%s",
+            ckpt.name,
+            len(jobs),
+            total / (1 << 30),
+            v.hash_seconds,
+            total / v.hash_seconds / 1e9 if v.hash_seconds > 0 else 0.0,
+            "file SHA-256 and tensor BLAKE3" if need_sha256 else "tensor BLAKE3",
+            f"; {len(v.cached_shards)} from the hash cache" if v.cached_shards else "",
+        )
+    elif v.cached_shards:
+        log.info("%s: all %d shards unchanged since hashed (hash cache)", ckpt.name, len(out))
+    return {s: out[s] for s in ckpt.shards}
