@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..base.errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady
 from ..checkpoint.description import Checkpoint
@@ -47,6 +49,20 @@ class LoadedModel:
     @property
     def name(self) -> str:
         return self.checkpoint.name
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Identity of the served content: its config and every verified tensor digest.
+
+        Names a Fetch stream (a resume must match it) and keys the shared-memory packs,
+        so a reload with identical bytes keeps its packs and a changed model never reuses
+        a stale one. Cached: it hashes every tensor's description, milliseconds for big
+        models, and a published model never changes.
+        """
+        h = hashlib.sha256(self.checkpoint.config_json.encode())
+        for t in self.checkpoint.tensors.values():
+            h.update(f"\0{t.name}\0{t.dtype}\0{t.shape}\0{self.tensor_digests[t.name]}".encode())
+        return h.hexdigest()
 
     def plan(self, world_size: int, rank: int, names: tuple[str, ...] = ()) -> RankPlan:
         """The tensor-parallel-only shorthand of :meth:`plan_layout`."""

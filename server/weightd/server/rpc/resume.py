@@ -5,45 +5,13 @@ tensors it received completely asks for the rest with ``start_index``. It also n
 the fingerprint of the content it received them from: if the daemon now serves other
 content under the model's name (reloaded, or restarted on a changed checkpoint), the
 resume is refused with ABORTED rather than handing out a rank assembled from two
-versions. The decision is pure; the fingerprint is computed once per loaded model.
+versions. The decision is pure; the fingerprint is the loaded model's
+(:attr:`~weightd.server.registry.models.LoadedModel.fingerprint`).
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 from ..base.errors import InvalidRequest, ModelChanged
-from ..registry.models import LoadedModel
-from ..transports.local_service import model_fingerprint
-
-_lock = threading.Lock()
-_fingerprints: dict[int, str] = {}
-
-
-def fingerprint(model: LoadedModel) -> str:
-    """:func:`model_fingerprint` (the shared-memory packs' identity), cached per model.
-
-    Cached because it hashes every tensor's description: computing it on each Fetch
-    would cost milliseconds for big models. Keyed by identity; the entry goes with the
-    model (a reload publishes a new :class:`LoadedModel`).
-    """
-    key = id(model)
-    with _lock:
-        found = _fingerprints.get(key)
-    if found is not None:
-        return found
-    value = model_fingerprint(model)
-    with _lock:
-        if key not in _fingerprints:
-            _fingerprints[key] = value
-            weakref.finalize(model, _forget, key)
-    return value
-
-
-def _forget(key: int) -> None:
-    with _lock:
-        _fingerprints.pop(key, None)
 
 
 def resume_start(

@@ -21,7 +21,7 @@ from ..plan.slices import TensorSlice, peer_slices
 from ..registry.models import LoadedModel, ModelRegistry
 from ..store.runs import RunPattern
 from .adapters import Adapters
-from .resume import fingerprint, resume_start
+from .resume import resume_start
 from .wire import Buffer, EncodedResponse, serialize_fetch_response
 
 log = logging.getLogger("weightd.service")
@@ -166,7 +166,7 @@ class WeightsService:
             plan = model.plan_layout(layout_of(request.layout), tuple(request.names))
             chunk = request.max_chunk_bytes or self.chunk_bytes
             chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, chunk))
-            served = fingerprint(model)
+            served = model.fingerprint
             try:
                 start = resume_start(
                     model.name,

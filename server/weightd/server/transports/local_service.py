@@ -5,9 +5,9 @@ Like the gRPC servicer it is thin, and errors become a status in one place
 as the transport's own failure, so a client on ``transport="auto"`` falls back to
 gRPC instead of giving up.
 
-One host pack per (model content, world size, rank): the key is a fingerprint of the
-model's config and verified tensor digests, so a reload with identical bytes keeps
-its packs and a changed model never reuses a stale one. A GPU pack is built from the
+One host pack per (model content, world size, rank): the key is the model's
+fingerprint (its config and verified tensor digests), so a reload with identical bytes
+keeps its packs and a changed model never reuses a stale one. A GPU pack is built from the
 host pack (which must therefore fit the shared-memory budget too). LoRA adapter packs
 (``AcquirePack.adapter``) live in the same caches and budgets, keyed by adapter version
 instead; their rules are in :mod:`weightd.server.adapters.packing`. What a grant says
@@ -16,7 +16,6 @@ instead; their rules are in :mod:`weightd.server.adapters.packing`. What a grant
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -52,7 +51,7 @@ from ..base.errors import (
 )
 from ..packs.build import AnchorFn, HostPack, build_host_pack, layout_pack
 from ..packs.cache import Lease, PackCache
-from ..registry.models import LoadedModel, ModelRegistry
+from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters, check_tp_only
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer
@@ -62,14 +61,6 @@ from .pinned import HostPinner
 log = logging.getLogger("weightd.local")
 
 PROTOCOL_VERSION: Final = 1
-
-
-def model_fingerprint(model: LoadedModel) -> str:
-    """Identity of what a model's packs contain: its config and every verified tensor."""
-    h = hashlib.sha256(model.checkpoint.config_json.encode())
-    for t in model.checkpoint.tensors.values():
-        h.update(f"\0{t.name}\0{t.dtype}\0{t.shape}\0{model.tensor_digests[t.name]}".encode())
-    return h.hexdigest()
 
 
 class PackService:
@@ -177,7 +168,7 @@ class PackService:
         if req.names:
             model.plan(ws, rank, tuple(req.names))  # unknown or repeated names fail here
         plan = model.plan(ws, rank)
-        key = (model_fingerprint(model), ws, rank)
+        key = (model.fingerprint, ws, rank)
         label = f"{model.name}:tp{ws}:r{rank}"
 
         def build() -> HostPack:
