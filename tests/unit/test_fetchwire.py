@@ -20,8 +20,13 @@ from weightd.client.errors import DataLossError
 from weightd.client.fetchwire import WireResponse, from_message, parse_fetch_response
 from weightd.client.receive import RankReceiver
 from weightd.server.rpc import wire as server_wire
-from weightd.server.rpc.weights import SERVICE, WeightsService, add_weights_service
-from weightd.server.rpc.wire import EncodedResponse, payload_bytes, serialize_fetch_response
+from weightd.server.rpc.weights import WeightsService, add_weights_service
+from weightd.server.rpc.wire import (
+    WEIGHTS_SERVICE,
+    EncodedResponse,
+    payload_bytes,
+    serialize_fetch_response,
+)
 from weightd.v1 import weightd_pb2 as pb
 
 U32 = (1 << 32) - 1
@@ -186,8 +191,8 @@ def test_service_table_covers_every_method_of_the_proto() -> None:
     rec = Recorder()
     add_weights_service(WeightsService(ModelRegistry()), rec)  # type: ignore[arg-type]
     descriptor = pb.DESCRIPTOR.services_by_name["Weights"]
-    assert descriptor.full_name == SERVICE
-    handlers = rec.registered[SERVICE]
+    assert descriptor.full_name == WEIGHTS_SERVICE
+    handlers = rec.registered[WEIGHTS_SERVICE]
     assert set(handlers) == {m.name for m in descriptor.methods}
     for m in descriptor.methods:
         h = handlers[m.name]

@@ -26,7 +26,8 @@ from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.guards import AdminGate, FetchGuard, StreamWatchdog
 from ..rpc.interceptors import InflightTracker, RpcObserver
-from ..rpc.weights import DEFAULT_CHUNK_BYTES, WeightsService, add_weights_service
+from ..rpc.weights import WeightsService, add_weights_service
+from ..rpc.wire import DEFAULT_CHUNK_BYTES, WEIGHTS_SERVICE
 from ..telemetry import logs
 from ..telemetry.metrics import Metrics, MetricsServer, serve_metrics
 from ..transports.local_server import LocalServer, start_local_server
@@ -46,8 +47,6 @@ from .collectors import (
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 
 log = logging.getLogger("weightd")
-
-WEIGHTS_SERVICE = "weightd.v1.Weights"
 
 
 @dataclass

@@ -25,6 +25,7 @@ from ..adapters.plan import AdapterSlicePlan, plan_adapter
 from ..adapters.registry import AdapterEvent, AdapterRegistry, AdapterVersion
 from ..base.errors import InvalidRequest, status_for
 from ..registry.models import ModelRegistry
+from .wire import chunk_bytes
 
 log = logging.getLogger("weightd.adapters")
 
@@ -161,12 +162,8 @@ class Adapters:
     def _stream(
         self, v: AdapterVersion, request: pb.FetchAdapterRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.FetchResponse]:
-        from .weights import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
-
         plan = self.plan(v, request.layout.tp_size, request.layout.tp_rank)
-        chunk = max(
-            MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, request.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
-        )
+        chunk = chunk_bytes(request.max_chunk_bytes)
         info = pb.AdapterInfo(
             name=v.name,
             version=v.version,

@@ -28,10 +28,10 @@ from ..base.errors import (
     status_for,
 )
 from .interceptors import FETCH_METHOD, Behavior, Handler, rewrap
+from .wire import ADMIN_SERVICE
 
 log = logging.getLogger("weightd.guards")
 
-ADMIN_SERVICE: Final = "weightd.v1.Admin"
 _ADMIN = pb.DESCRIPTOR.services_by_name["Admin"]
 #: Every Admin method, from the proto: the only method names the gate recognises.
 ADMIN_METHODS: Final = {f"/{ADMIN_SERVICE}/{m.name}": m.server_streaming for m in _ADMIN.methods}

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 import grpc
 
 from ..telemetry.metrics import Metrics
-from .wire import payload_bytes
+from .wire import WEIGHTS_SERVICE, payload_bytes
 
 Behavior = Callable[[Any, grpc.ServicerContext], Any]
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 else:  # not subscriptable at run time
     Handler = grpc.RpcMethodHandler
 
-FETCH_METHOD: Final = "/weightd.v1.Weights/Fetch"
+FETCH_METHOD: Final = f"/{WEIGHTS_SERVICE}/Fetch"
 
 #: Long-lived streams that a drain does not wait for: they never end by themselves
 #: (a health Watch follows status changes forever), so waiting would always cost the

@@ -6,7 +6,7 @@ import functools
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import Counter
@@ -22,15 +22,17 @@ from ..registry.models import LoadedModel, ModelRegistry
 from ..store.runs import RunPattern
 from .adapters import Adapters
 from .resume import resume_start
-from .wire import Buffer, EncodedResponse, serialize_fetch_response
+from .wire import (
+    DEFAULT_CHUNK_BYTES,
+    WEIGHTS_SERVICE,
+    Buffer,
+    EncodedResponse,
+    chunk_bytes,
+    serialize_fetch_response,
+)
 
 log = logging.getLogger("weightd.service")
 
-DEFAULT_CHUNK_BYTES: Final = 1 << 20  # fastest measured here (PERFORMANCE.md)
-MAX_CHUNK_BYTES: Final = 4 << 20
-MIN_CHUNK_BYTES: Final = 4 << 10
-#: The worker-facing service's full name in the proto.
-SERVICE: Final = "weightd.v1.Weights"
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -164,8 +166,7 @@ class WeightsService:
         try:
             model = self.registry.get(request.model)
             plan = model.plan_layout(layout_of(request.layout), tuple(request.names))
-            chunk = request.max_chunk_bytes or self.chunk_bytes
-            chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, chunk))
+            chunk = chunk_bytes(request.max_chunk_bytes, self.chunk_bytes)
             served = model.fingerprint
             try:
                 start = resume_start(
@@ -307,5 +308,7 @@ def add_weights_service(service: WeightsService, server: grpc.Server) -> None:
             response_serializer=pb.AdapterEvent.SerializeToString,
         ),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(WEIGHTS_SERVICE, handlers),)
+    )
+    server.add_registered_method_handlers(WEIGHTS_SERVICE, handlers)

@@ -29,6 +29,22 @@ from typing import Final, TypeAlias
 
 from weightd.v1 import weightd_pb2 as pb
 
+#: The services' full names, from the proto itself (health statuses, routing, guards).
+WEIGHTS_SERVICE: Final = pb.DESCRIPTOR.services_by_name["Weights"].full_name
+ADMIN_SERVICE: Final = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+
+#: Payload bytes per message of a Fetch or FetchAdapter stream. 1 MiB was fastest here
+#: (PERFORMANCE.md); past 4 MiB a message meets gRPC's default receive limit.
+DEFAULT_CHUNK_BYTES: Final = 1 << 20
+MAX_CHUNK_BYTES: Final = 4 << 20
+MIN_CHUNK_BYTES: Final = 4 << 10
+
+
+def chunk_bytes(requested: int, default: int = DEFAULT_CHUNK_BYTES) -> int:
+    """The payload bytes per message a stream uses: the request's (0: ``default``), clamped."""
+    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, requested or default))
+
+
 #: Anything whose bytes can be joined: ``bytes`` from ``pread``, or a read buffer.
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
