@@ -17,17 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from ..base import errors
 from .registry import AdapterEvent, AdapterRegistry
-
-if TYPE_CHECKING:
-    from ..rpc.adapters import Adapters
-    from ..transports.local_server import LocalServer
 
 #: LoadAdapter reads and hashes megabytes to a few hundred: milliseconds to seconds.
 LOAD_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -217,18 +213,3 @@ class AdapterCollector:
         for family, value in zip(families, values, strict=True):
             family.add_metric([], float(value))
             yield family
-
-
-def adapter_metrics(
-    prom: CollectorRegistry, adapters: Adapters, local: LocalServer | None
-) -> AdapterMetrics:
-    """The daemon's adapter metrics; pack gauges when it has a side socket."""
-    source: Callable[[], AdapterPackUsage] | None = None
-    if local is not None:
-        service = local.service
-
-        def usage() -> AdapterPackUsage:
-            return AdapterPackUsage(*service.adapter_usage())
-
-        source = usage
-    return AdapterMetrics.create(prom, adapters.registry, source)

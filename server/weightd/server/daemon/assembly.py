@@ -16,7 +16,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from ..adapters.collector import adapter_metrics
 from ..adapters.registry import AdapterRegistry
 from ..plan.rules import RuleTable
 from ..plan.rules_file import load_rules_file
@@ -43,6 +42,7 @@ from .collectors import (
     PinnedState,
     ShmPackCollector,
     ShmPackState,
+    adapter_metrics,
 )
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 

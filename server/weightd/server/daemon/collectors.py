@@ -15,13 +15,15 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from ..adapters.collector import AdapterBudgetCollector
+from ..adapters.collector import AdapterBudgetCollector, AdapterMetrics, AdapterPackUsage
 from ..registry.models import MODEL_STATES, LoadedModel, ModelRegistry
+from ..rpc.adapters import Adapters
 from ..store.residency import ResidencyUnavailable, resident_bytes
 from ..store.shards import FileIdentity
+from ..transports.local_server import LocalServer
 
 log = logging.getLogger("weightd.metrics")
 
@@ -279,3 +281,18 @@ CONDITIONAL_COLLECTORS: tuple[type, ...] = (
     ShmPackCollector,
     AdapterBudgetCollector,
 )
+
+
+def adapter_metrics(
+    prom: CollectorRegistry, adapters: Adapters, local: LocalServer | None
+) -> AdapterMetrics:
+    """The daemon's adapter metrics; pack gauges when it has a side socket."""
+    source: Callable[[], AdapterPackUsage] | None = None
+    if local is not None:
+        service = local.service
+
+        def usage() -> AdapterPackUsage:
+            return AdapterPackUsage(*service.adapter_usage())
+
+        source = usage
+    return AdapterMetrics.create(prom, adapters.registry, source)
