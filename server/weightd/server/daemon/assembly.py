@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from ..adapters.registry import AdapterRegistry
+from ..adapters.service import AdapterService
 from ..plan.rules import RuleTable
 from ..plan.rules_file import load_rules_file
 from ..registry.filewatch import DEFAULT_INTERVAL_SECONDS, ShardWatcher
@@ -248,9 +249,10 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             interceptors=[observer, AdminGate(), FetchGuard(watchdog)],
         )
-        adapters = Adapters(
+        adapter_service = AdapterService(
             registry, AdapterRegistry(config.adapter_budget_bytes), config.adapter_roots
         )
+        adapters = Adapters(adapter_service)
         service = WeightsService(
             registry,
             config.chunk_bytes,
@@ -287,12 +289,14 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         daemon.address = listeners.bind(server, address, tls, "worker")
         if address.kind == "unix" and config.local.enabled:
             daemon.local = start_local_server(
-                address.path, registry, service.slice_anchor, config.local, driver, adapters
+                address.path, registry, service.slice_anchor, config.local, driver, adapter_service
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)
         if metrics_registry is not None:
-            adapters.metrics = adapter_metrics(metrics_registry, adapters, daemon.local)
+            adapter_service.metrics = adapter_metrics(
+                metrics_registry, adapter_service, daemon.local
+            )
         if warning:
             log.warning("%s", warning)
         if admin_address is not None:

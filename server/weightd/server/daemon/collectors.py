@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from ..adapters.collector import AdapterBudgetCollector, AdapterMetrics, AdapterPackUsage
+from ..adapters.service import AdapterService
 from ..registry.models import MODEL_STATES, LoadedModel, ModelRegistry
-from ..rpc.adapters import Adapters
 from ..store.residency import ResidencyUnavailable, resident_bytes
 from ..store.shards import FileIdentity
 from ..transports.local_server import LocalServer
@@ -284,7 +284,7 @@ CONDITIONAL_COLLECTORS: tuple[type, ...] = (
 
 
 def adapter_metrics(
-    prom: CollectorRegistry, adapters: Adapters, local: LocalServer | None
+    prom: CollectorRegistry, adapters: AdapterService, local: LocalServer | None
 ) -> AdapterMetrics:
     """The daemon's adapter metrics; pack gauges when it has a side socket."""
     source: Callable[[], AdapterPackUsage] | None = None

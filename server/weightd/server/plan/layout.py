@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 from ..base.errors import InvalidRequest, ShardingError
 
@@ -24,6 +24,25 @@ from ..base.errors import InvalidRequest, ShardingError
 #: daemon enumerates every peer of a slice once to anchor its digest; no deployment
 #: comes near this.
 MAX_PARALLEL_SIZE: Final = 1024
+
+
+class LayoutFields(Protocol):
+    """A layout as the wire carries it (``weightd.v1.Layout``): sizes of 0 mean 1."""
+
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def pp_size(self) -> int: ...
+    @property
+    def pp_rank(self) -> int: ...
+    @property
+    def ep_size(self) -> int: ...
+    @property
+    def ep_rank(self) -> int: ...
+    @property
+    def pp_layers(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +60,23 @@ class Layout:
     def tp(cls, world_size: int, rank: int) -> Layout:
         """The tensor-parallel-only layout of the ``fetch(rank, world_size)`` shorthand."""
         return cls(tp_size=world_size, tp_rank=rank)
+
+    @classmethod
+    def of(cls, msg: LayoutFields) -> Layout:
+        """The layout a request names; pipeline/expert sizes left at 0 (older clients) are 1.
+
+        The one conversion every transport uses, so the gRPC stream and the side channel
+        validate and plan the same layout for the same request.
+        """
+        return cls(
+            tp_size=msg.tp_size,
+            tp_rank=msg.tp_rank,
+            pp_size=msg.pp_size or 1,
+            pp_rank=msg.pp_rank,
+            ep_size=msg.ep_size or 1,
+            ep_rank=msg.ep_rank,
+            pp_layers=tuple(msg.pp_layers),
+        )
 
     @property
     def world_size(self) -> int:

@@ -1,30 +1,28 @@
 """The adapter RPCs: admin (load, unload, list, pin) and worker (fetch a rank's slices, watch).
 
-Thin, like ``service``: requests are resolved against the model and adapter registries,
-the pure planner says which bytes, and the bytes stream in ``Fetch``'s chunk format.
-Slice digests are SHA-256 of bytes cut from the in-memory copy the load verified
-(BLAKE3 per tensor), so they are anchored by construction.
+Thin, like the Weights servicer: messages are converted to calls on the adapter domain
+(:class:`~weightd.server.adapters.service.AdapterService`), which checks names, verifies
+and plans; the bytes stream here in ``Fetch``'s chunk format. Slice digests are SHA-256
+of bytes cut from the in-memory copy the load verified (BLAKE3 per tensor), so they are
+anchored by construction.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Final
 
 import grpc
 
 from weightd.v1 import weightd_pb2 as pb
 
-from ..adapters.collector import AdapterMetrics
-from ..adapters.load import load_adapter
 from ..adapters.packing import slice_bytes
-from ..adapters.plan import AdapterSlicePlan, plan_adapter
-from ..adapters.registry import AdapterEvent, AdapterRegistry, AdapterVersion
-from ..base.errors import InvalidRequest, status_for
-from ..registry.models import ModelRegistry
+from ..adapters.registry import AdapterEvent, AdapterVersion
+from ..adapters.service import AdapterService, AdapterState, check_name
+from ..base.errors import status_for
+from ..plan.layout import Layout
 from .wire import chunk_bytes
 
 log = logging.getLogger("weightd.adapters")
@@ -36,7 +34,6 @@ _KINDS: Final = {
 }
 #: Seconds between checks that a watcher is still connected.
 WATCH_POLL_SECONDS: Final = 1.0
-MAX_ADAPTER_NAME_BYTES: Final = 256
 
 
 def _abort(context: grpc.ServicerContext, error: BaseException, method: str) -> None:
@@ -46,28 +43,31 @@ def _abort(context: grpc.ServicerContext, error: BaseException, method: str) -> 
     context.abort(code, detail)
 
 
-def _check_name(name: str) -> None:
-    if not name:
-        raise InvalidRequest("adapter name is empty")
-    if len(name.encode()) > MAX_ADAPTER_NAME_BYTES or not name.isprintable():
-        raise InvalidRequest(
-            f"adapter name {name[:64]!r} must be printable and at most "
-            f"{MAX_ADAPTER_NAME_BYTES} bytes"
-        )
+def status(v: AdapterVersion, pinned: bool = False, leases: int = 0) -> pb.AdapterStatus:
+    return pb.AdapterStatus(
+        name=v.name,
+        version=v.version,
+        digest=v.adapter.digest,
+        base_model=v.adapter.base_model,
+        nbytes=v.adapter.nbytes,
+        pinned=pinned,
+        leases=leases,
+        source_dir=v.adapter.source,
+    )
+
+
+def _status_of(name: str, state: AdapterState | None) -> pb.AdapterStatus:
+    if state is None:
+        return pb.AdapterStatus(name=name)
+    return status(state.version, state.pinned, state.leases)
 
 
 class Adapters:
-    """Everything the adapter RPCs need: the registries and the configured roots."""
+    """The adapter RPCs' handlers over the domain service; ends watch streams on close."""
 
-    def __init__(
-        self, models: ModelRegistry, registry: AdapterRegistry, roots: Sequence[str]
-    ) -> None:
-        self.models = models
-        self.registry = registry
-        self.roots = tuple(roots)
+    def __init__(self, service: AdapterService) -> None:
+        self.service = service
         self._stop = threading.Event()
-        #: Load latency and rejections, when the daemon exports metrics.
-        self.metrics: AdapterMetrics | None = None
 
     def close(self) -> None:
         """Ends every watch stream (daemon shutdown)."""
@@ -75,84 +75,37 @@ class Adapters:
 
     # --- admin --------------------------------------------------------------------
 
-    def status(self, v: AdapterVersion, pinned: bool = False, leases: int = 0) -> pb.AdapterStatus:
-        return pb.AdapterStatus(
-            name=v.name,
-            version=v.version,
-            digest=v.adapter.digest,
-            base_model=v.adapter.base_model,
-            nbytes=v.adapter.nbytes,
-            pinned=pinned,
-            leases=leases,
-            source_dir=v.adapter.source,
-        )
-
-    def _current(self, name: str) -> pb.AdapterStatus:
-        for v, pinned, leases in self.registry.current():
-            if v.name == name:
-                return self.status(v, pinned, leases)
-        return pb.AdapterStatus(name=name)
-
     def load(self, request: pb.LoadAdapterRequest) -> pb.AdapterStatus:
-        started = time.monotonic()
-        try:
-            status = self._load(request)
-        except Exception as exc:
-            if self.metrics is not None:
-                self.metrics.rejected(exc)
-            raise
-        if self.metrics is not None:
-            self.metrics.published(time.monotonic() - started)
-        return status
-
-    def _load(self, request: pb.LoadAdapterRequest) -> pb.AdapterStatus:
-        _check_name(request.name)
-        if not request.source_dir:
-            raise InvalidRequest("source_dir is empty")
-        base = self.models.get(request.model).checkpoint
-        expected = request.expected_digest or None
-        roots = self.roots
-        self.registry.load(
-            request.name,
-            f"{base.name}\0{request.source_dir}",
-            expected,
-            lambda: load_adapter(request.source_dir, roots, base, expected),
+        state = self.service.load(
+            request.name, request.model, request.source_dir, request.expected_digest
         )
-        return self._current(request.name)
+        return _status_of(request.name, state)
 
     def unload(self, request: pb.AdapterNameRequest) -> pb.AdapterStatus:
-        _check_name(request.name)
-        return self.status(self.registry.unload(request.name))
+        return status(self.service.unload(request.name))
 
     def pin(self, request: pb.AdapterNameRequest, pinned: bool) -> pb.AdapterStatus:
-        _check_name(request.name)
-        self.registry.set_pinned(request.name, pinned)
-        return self._current(request.name)
+        return _status_of(request.name, self.service.set_pinned(request.name, pinned))
 
     def list(self) -> pb.ListAdaptersResponse:
         return pb.ListAdaptersResponse(
-            adapters=[self.status(v, p, n) for v, p, n in self.registry.current()]
+            adapters=[status(s.version, s.pinned, s.leases) for s in self.service.current()]
         )
 
     # --- worker -------------------------------------------------------------------
-
-    def plan(self, v: AdapterVersion, world_size: int, rank: int) -> AdapterSlicePlan:
-        """Which slices of version ``v`` rank ``rank`` of ``world_size`` receives."""
-        model = self.models.get(v.adapter.base_model)
-        return plan_adapter(v.adapter.modules, model.checkpoint, model.rules, world_size, rank)
 
     def fetch(
         self, request: pb.FetchAdapterRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.FetchResponse]:
         try:
-            _check_name(request.name)
-            check_tp_only(request.layout)
-            lease = self.registry.lease(request.name)
+            check_name(request.name)
+            layout = Layout.of(request.layout)
+            lease = self.service.registry.lease(request.name)
         except Exception as exc:
             _abort(context, exc, "FetchAdapter")
             return
         try:
-            yield from self._stream(lease.version, request, context)
+            yield from self._stream(lease.version, layout, request, context)
         except Exception as exc:
             if context.is_active():
                 _abort(context, exc, "FetchAdapter")
@@ -160,9 +113,13 @@ class Adapters:
             lease.release()  # also on cancellation (GeneratorExit at a yield)
 
     def _stream(
-        self, v: AdapterVersion, request: pb.FetchAdapterRequest, context: grpc.ServicerContext
+        self,
+        v: AdapterVersion,
+        layout: Layout,
+        request: pb.FetchAdapterRequest,
+        context: grpc.ServicerContext,
     ) -> Iterator[pb.FetchResponse]:
-        plan = self.plan(v, request.layout.tp_size, request.layout.tp_rank)
+        plan = self.service.plan(v, layout)
         chunk = chunk_bytes(request.max_chunk_bytes)
         info = pb.AdapterInfo(
             name=v.name,
@@ -212,7 +169,7 @@ class Adapters:
         yield last
 
     def watch(self, context: grpc.ServicerContext) -> Iterator[pb.AdapterEvent]:
-        w = self.registry.watch()
+        w = self.service.registry.watch()
         try:
             while context.is_active() and not self._stop.is_set():
                 event = w.next(timeout=WATCH_POLL_SECONDS)
@@ -226,11 +183,6 @@ class Adapters:
                 yield to_pb(event)
         finally:
             w.close()
-
-
-def check_tp_only(layout: pb.Layout) -> None:
-    if layout.pp_size > 1 or layout.ep_size > 1:
-        raise InvalidRequest("adapters are served for tensor parallelism only")
 
 
 def to_pb(e: AdapterEvent) -> pb.AdapterEvent:

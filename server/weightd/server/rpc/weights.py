@@ -59,19 +59,6 @@ def unary(
     return wrapper
 
 
-def layout_of(msg: pb.Layout) -> Layout:
-    """The wire layout; pipeline/expert fields left at 0 by older clients mean size 1."""
-    return Layout(
-        tp_size=msg.tp_size,
-        tp_rank=msg.tp_rank,
-        pp_size=msg.pp_size or 1,
-        pp_rank=msg.pp_rank,
-        ep_size=msg.ep_size or 1,
-        ep_rank=msg.ep_rank,
-        pp_layers=tuple(msg.pp_layers),
-    )
-
-
 class WeightsService:
     """The ``weightd.v1.Weights`` methods; register with :func:`add_weights_service`."""
 
@@ -165,7 +152,7 @@ class WeightsService:
         model: LoadedModel | None = None
         try:
             model = self.registry.get(request.model)
-            plan = model.plan_layout(layout_of(request.layout), tuple(request.names))
+            plan = model.plan_layout(Layout.of(request.layout), tuple(request.names))
             chunk = chunk_bytes(request.max_chunk_bytes, self.chunk_bytes)
             served = model.fingerprint
             try:

@@ -30,10 +30,10 @@ from weightd.common.cuda_driver import CudaDriver
 from weightd.common.frames import FrameError, recv_frame, send_frame
 from weightd.v1 import local_pb2 as lpb
 
+from ..adapters.service import AdapterService
 from ..daemon.addresses import ListenError
 from ..packs.build import AnchorFn
 from ..registry.models import ModelRegistry
-from ..rpc.adapters import Adapters
 from .local_service import PackService
 from .options import LOCAL_SOCKET_SUFFIX, LocalConfig
 
@@ -188,7 +188,7 @@ def start_local_server(
     anchor: AnchorFn,
     config: LocalConfig,
     driver: CudaDriver | None,
-    adapters: Adapters | None = None,
+    adapters: AdapterService | None = None,
 ) -> LocalServer:
     """The side socket for a daemon listening on ``grpc_socket_path``, started."""
     service = PackService(registry, anchor, config, driver, adapters)

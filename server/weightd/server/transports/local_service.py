@@ -39,6 +39,7 @@ from ..adapters.packing import (
     adapter_tag,
     build_adapter_pack,
 )
+from ..adapters.service import AdapterService, check_tp_only
 from ..base.errors import (
     AdapterNotFound,
     DataIntegrityError,
@@ -51,8 +52,8 @@ from ..base.errors import (
 )
 from ..packs.build import AnchorFn, HostPack, build_host_pack, layout_pack
 from ..packs.cache import Lease, PackCache
+from ..plan.layout import Layout
 from ..registry.models import ModelRegistry
-from ..rpc.adapters import Adapters, check_tp_only
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer
 from .options import LocalConfig
@@ -70,7 +71,7 @@ class PackService:
         anchor: AnchorFn,
         config: LocalConfig,
         driver: CudaDriver | None = None,
-        adapters: Adapters | None = None,
+        adapters: AdapterService | None = None,
     ) -> None:
         self.registry = registry
         self.adapters = adapters
@@ -205,13 +206,14 @@ class PackService:
             raise LocalProtocolError(
                 "an adapter pack request names the adapter only (no model, no tensor names)"
             )
-        check_tp_only(req.layout)
+        layout = Layout.of(req.layout)
+        check_tp_only(layout)
         adapters = self.adapters
         ws, rank = req.layout.tp_size, req.layout.tp_rank
         version = adapters.registry.lease(req.adapter)
         try:
             v = version.version
-            plan = adapters.plan(v, ws, rank)
+            plan = adapters.plan(v, layout)
             key = adapter_key(v.name, v.version, ws, rank)
             label = f"adapter:{v.name}:v{v.version}:tp{ws}:r{rank}"
 

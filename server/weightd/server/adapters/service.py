@@ -1,0 +1,124 @@
+"""The adapter domain: what LoadAdapter, the pack side channel and FetchAdapter all ask for.
+
+Names are checked, loads are verified against their base model and published through
+the registry, and a version is planned for a rank, here, once. The gRPC servicer
+(:mod:`weightd.server.rpc.adapters`) only converts messages and streams bytes; the
+side channel (:mod:`weightd.server.transports`) leases versions and plans packs through
+the same calls, so neither transport depends on the other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from ..base.errors import InvalidRequest
+from ..plan.layout import Layout
+from ..registry.models import ModelRegistry
+from .collector import AdapterMetrics
+from .load import load_adapter
+from .plan import AdapterSlicePlan, plan_adapter
+from .registry import AdapterRegistry, AdapterVersion
+
+MAX_ADAPTER_NAME_BYTES: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterState:
+    """A current version and how it is held: what ListAdapters and LoadAdapter report."""
+
+    version: AdapterVersion
+    pinned: bool = False
+    leases: int = 0
+
+
+def check_name(name: str) -> None:
+    if not name:
+        raise InvalidRequest("adapter name is empty")
+    if len(name.encode()) > MAX_ADAPTER_NAME_BYTES or not name.isprintable():
+        raise InvalidRequest(
+            f"adapter name {name[:64]!r} must be printable and at most "
+            f"{MAX_ADAPTER_NAME_BYTES} bytes"
+        )
+
+
+def check_tp_only(layout: Layout) -> None:
+    if layout.pp_size > 1 or layout.ep_size > 1:
+        raise InvalidRequest("adapters are served for tensor parallelism only")
+
+
+class AdapterService:
+    """The registries and the configured roots, behind the operations both edges need."""
+
+    def __init__(
+        self, models: ModelRegistry, registry: AdapterRegistry, roots: Sequence[str]
+    ) -> None:
+        self.models = models
+        self.registry = registry
+        self.roots = tuple(roots)
+        #: Load latency and rejections, when the daemon exports metrics.
+        self.metrics: AdapterMetrics | None = None
+
+    def load(
+        self, name: str, model: str, source_dir: str, expected_digest: str
+    ) -> AdapterState | None:
+        """Verify the adapter in ``source_dir`` against ``model`` and publish it as ``name``.
+
+        Returns its state now (None when a concurrent call already dropped it again).
+        """
+        started = time.monotonic()
+        try:
+            state = self._load(name, model, source_dir, expected_digest)
+        except Exception as exc:
+            if self.metrics is not None:
+                self.metrics.rejected(exc)
+            raise
+        if self.metrics is not None:
+            self.metrics.published(time.monotonic() - started)
+        return state
+
+    def _load(
+        self, name: str, model: str, source_dir: str, expected_digest: str
+    ) -> AdapterState | None:
+        check_name(name)
+        if not source_dir:
+            raise InvalidRequest("source_dir is empty")
+        base = self.models.get(model).checkpoint
+        expected = expected_digest or None
+        roots = self.roots
+        self.registry.load(
+            name,
+            f"{base.name}\0{source_dir}",
+            expected,
+            lambda: load_adapter(source_dir, roots, base, expected),
+        )
+        return self.state(name)
+
+    def unload(self, name: str) -> AdapterVersion:
+        check_name(name)
+        return self.registry.unload(name)
+
+    def set_pinned(self, name: str, pinned: bool) -> AdapterState | None:
+        check_name(name)
+        self.registry.set_pinned(name, pinned)
+        return self.state(name)
+
+    def current(self) -> list[AdapterState]:
+        return [AdapterState(v, p, n) for v, p, n in self.registry.current()]
+
+    def state(self, name: str) -> AdapterState | None:
+        """The current version of ``name`` and how it is held; None when it has none."""
+        for s in self.current():
+            if s.version.name == name:
+                return s
+        return None
+
+    def plan(self, v: AdapterVersion, layout: Layout) -> AdapterSlicePlan:
+        """Which slices of version ``v`` the worker at ``layout`` receives."""
+        check_tp_only(layout)
+        model = self.models.get(v.adapter.base_model)
+        return plan_adapter(
+            v.adapter.modules, model.checkpoint, model.rules, layout.tp_size, layout.tp_rank
+        )
