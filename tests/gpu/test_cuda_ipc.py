@@ -204,16 +204,13 @@ def test_pinned_staging(daemon: RunningDaemon, gpu_big_model: Path) -> None:
 
     from weightd.common.cuda_driver import CudaDriver
     from weightd.server.packs.build import build_host_pack
-    from weightd.server.registry.models import ModelRegistry, load_model
-    from weightd.server.rpc.weights import WeightsService
+    from weightd.server.registry.models import load_model
     from weightd.server.transports.pinned import HostPinner
 
     model = load_model(str(gpu_big_model))
     driver = CudaDriver.load()
     try:
-        pack = build_host_pack(
-            model, model.plan(1, 0), WeightsService(ModelRegistry()).slice_anchor, "gpu-test"
-        )
+        pack = build_host_pack(model, model.plan(1, 0), "gpu-test")
         device = torch.empty(pack.size, dtype=torch.uint8, device="cuda:0")
         torch.cuda.synchronize()
 

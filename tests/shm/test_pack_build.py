@@ -11,8 +11,7 @@ import pytest
 
 from weightd.server.base.errors import DataIntegrityError
 from weightd.server.packs.build import PACK_ALIGN, PACK_SEALS, build_host_pack
-from weightd.server.registry.models import ModelRegistry, load_model
-from weightd.server.rpc.weights import WeightsService
+from weightd.server.registry.models import load_model
 
 
 def _open_fds() -> set[int]:
@@ -21,10 +20,9 @@ def _open_fds() -> set[int]:
 
 def test_pack_holds_exactly_the_verified_slices(demo_model: Path) -> None:
     model = load_model(str(demo_model))
-    service = WeightsService(ModelRegistry())
     try:
         plan = model.plan(2, 1)
-        pack = build_host_pack(model, plan, service.slice_anchor, "test:tp2:r1")
+        pack = build_host_pack(model, plan, "test:tp2:r1")
         try:
             assert fcntl.fcntl(pack.fd, fcntl.F_GET_SEALS) == PACK_SEALS
             assert [e.name for e in pack.entries] == [s.name for s in plan.slices]
@@ -32,7 +30,7 @@ def test_pack_holds_exactly_the_verified_slices(demo_model: Path) -> None:
                 assert e.offset % PACK_ALIGN == 0 and e.nbytes == s.nbytes
                 want = b"".join(model.store.iter_pattern(s.shard, s.pattern, 1 << 20))
                 assert pack.mapping[e.offset : e.offset + e.nbytes] == want, e.name
-                assert e.digest == service.slice_anchor(model, s, plan)
+                assert e.digest == model.slice_anchor(s, plan.layout)
             # Sealed: nobody, the daemon included, can write, shrink or grow it.
             for attempt in (
                 lambda: os.pwrite(pack.fd, b"x", 0),
@@ -49,7 +47,9 @@ def test_pack_holds_exactly_the_verified_slices(demo_model: Path) -> None:
         model.store.close()
 
 
-def test_bytes_that_do_not_match_the_anchor_are_never_published(demo_model: Path) -> None:
+def test_bytes_that_do_not_match_the_anchor_are_never_published(
+    demo_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = load_model(str(demo_model))
     try:
         plan = model.plan(2, 0)
@@ -58,8 +58,10 @@ def test_bytes_that_do_not_match_the_anchor_are_never_published(demo_model: Path
         def wrong_anchor(*_: object) -> str:
             return "sha256:" + "0" * 64
 
+        monkeypatch.setattr(model, "slice_anchor", wrong_anchor)
+
         with pytest.raises(DataIntegrityError, match="bytes copied into pack test:tp2:r0 hash"):
-            build_host_pack(model, plan, wrong_anchor, "test:tp2:r0")
+            build_host_pack(model, plan, "test:tp2:r0")
         assert _open_fds() == before  # the memfd and its mappings are gone
     finally:
         model.store.close()

@@ -289,7 +289,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         daemon.address = listeners.bind(server, address, tls, "worker")
         if address.kind == "unix" and config.local.enabled:
             daemon.local = start_local_server(
-                address.path, registry, service.slice_anchor, config.local, driver, adapter_service
+                address.path, registry, config.local, driver, adapter_service
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)

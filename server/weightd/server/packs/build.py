@@ -47,9 +47,6 @@ PACK_ALIGN: Final = 256
 PACK_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _HASH_THREADS: Final = 4
 
-#: ``anchor(model, slice, plan)``: the anchored digest of a slice (the gRPC service's).
-AnchorFn = Callable[[LoadedModel, TensorSlice, RankPlan], str]
-
 
 @dataclass(frozen=True, slots=True)
 class PackEntry:
@@ -129,9 +126,9 @@ class HostPack:
         os.close(self.fd)
 
 
-def build_host_pack(model: LoadedModel, plan: RankPlan, anchor: AnchorFn, label: str) -> HostPack:
+def build_host_pack(model: LoadedModel, plan: RankPlan, label: str) -> HostPack:
     """Lay out, fill, seal and verify the pack for ``plan``; on doubt it raises, unpublished."""
-    digests = [anchor(model, s, plan) for s in plan.slices]
+    digests = [model.slice_anchor(s, plan.layout) for s in plan.slices]
 
     def fill(s: TensorSlice, into: memoryview) -> None:
         model.store.read_pattern_into(s.shard, s.pattern, into)

@@ -16,6 +16,8 @@ from ..plan.builtin_rules import rules_for
 from ..plan.layout import Layout
 from ..plan.planner import ArchRules, RankPlan, plan
 from ..plan.rules import RuleTable
+from ..plan.slices import TensorSlice, peer_slices
+from ..store.runs import RunPattern
 from ..store.shards import ShardStore
 from ..trust.integrity import SliceAnchors
 from ..trust.manifest import FileDigest
@@ -63,6 +65,23 @@ class LoadedModel:
         for t in self.checkpoint.tensors.values():
             h.update(f"\0{t.name}\0{t.dtype}\0{t.shape}\0{self.tensor_digests[t.name]}".encode())
         return h.hexdigest()
+
+    def slice_anchor(self, s: TensorSlice, layout: Layout) -> str:
+        """The verified digest of slice ``s`` of the worker at ``layout``.
+
+        Every peer slice of its cut is anchored together (one read of the tensor proves
+        each of them against the verified whole-tensor digest). The gRPC stream checks
+        the bytes it sends against it and rank packs are verified against the same value,
+        so both transports hand out digests with the same proof behind them.
+        """
+        tensor = self.checkpoint.tensors[s.name]
+        if s.partition.count == 1:
+            return self.anchors.get(tensor, s.partition.key, 0, lambda: [s.pattern])
+
+        def every_peer() -> list[RunPattern]:
+            return [p.pattern for p in peer_slices(self.checkpoint, self.rules, s, layout)]
+
+        return self.anchors.get(tensor, s.partition.key, s.partition.index, every_peer)
 
     def plan(self, world_size: int, rank: int, names: tuple[str, ...] = ()) -> RankPlan:
         """The tensor-parallel-only shorthand of :meth:`plan_layout`."""

@@ -17,9 +17,7 @@ from weightd.v1 import weightd_pb2 as pb
 from ..base.errors import DataIntegrityError, ModelChanged, NoAdapters, WeightdError, status_for
 from ..plan.layout import Layout
 from ..plan.planner import RankPlan
-from ..plan.slices import TensorSlice, peer_slices
 from ..registry.models import LoadedModel, ModelRegistry
-from ..store.runs import RunPattern
 from .adapters import Adapters
 from .resume import resume_start
 from .wire import (
@@ -188,21 +186,6 @@ class WeightsService:
         if self.resumes is not None:
             self.resumes.labels(model, outcome).inc()
 
-    def _anchor(self, model: LoadedModel, s: TensorSlice, plan: RankPlan) -> str:
-        """The verified digest of ``s``: every peer slice of its cut, anchored together."""
-        tensor = model.checkpoint.tensors[s.name]
-        if s.partition.count == 1:
-            return model.anchors.get(tensor, s.partition.key, 0, lambda: [s.pattern])
-
-        def every_peer() -> list[RunPattern]:
-            return [p.pattern for p in peer_slices(model.checkpoint, model.rules, s, plan.layout)]
-
-        return model.anchors.get(tensor, s.partition.key, s.partition.index, every_peer)
-
-    def slice_anchor(self, model: LoadedModel, s: TensorSlice, plan: RankPlan) -> str:
-        """The anchored digest of ``s``; rank packs are checked against the same anchors."""
-        return self._anchor(model, s, plan)
-
     def _stream(
         self,
         model: LoadedModel,
@@ -224,7 +207,7 @@ class WeightsService:
                 continue  # a resume: the client holds these already
             if not context.is_active():
                 return
-            anchored = self._anchor(model, s, plan)
+            anchored = model.slice_anchor(s, plan.layout)
             header: pb.SliceHeader | None = pb.SliceHeader(
                 name=s.name,
                 dtype=s.dtype,

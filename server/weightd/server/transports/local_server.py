@@ -32,7 +32,6 @@ from weightd.v1 import local_pb2 as lpb
 
 from ..adapters.service import AdapterService
 from ..daemon.addresses import ListenError
-from ..packs.build import AnchorFn
 from ..registry.models import ModelRegistry
 from .local_service import PackService
 from .options import LOCAL_SOCKET_SUFFIX, LocalConfig
@@ -185,13 +184,12 @@ class LocalServer:
 def start_local_server(
     grpc_socket_path: str,
     registry: ModelRegistry,
-    anchor: AnchorFn,
     config: LocalConfig,
     driver: CudaDriver | None,
     adapters: AdapterService | None = None,
 ) -> LocalServer:
     """The side socket for a daemon listening on ``grpc_socket_path``, started."""
-    service = PackService(registry, anchor, config, driver, adapters)
+    service = PackService(registry, config, driver, adapters)
     server = LocalServer(grpc_socket_path + LOCAL_SOCKET_SUFFIX, service, config.max_connections)
     server.start()
     return server

@@ -50,7 +50,7 @@ from ..base.errors import (
     TransportError,
     status_for,
 )
-from ..packs.build import AnchorFn, HostPack, build_host_pack, layout_pack
+from ..packs.build import HostPack, build_host_pack, layout_pack
 from ..packs.cache import Lease, PackCache
 from ..plan.layout import Layout
 from ..registry.models import ModelRegistry
@@ -68,14 +68,12 @@ class PackService:
     def __init__(
         self,
         registry: ModelRegistry,
-        anchor: AnchorFn,
         config: LocalConfig,
         driver: CudaDriver | None = None,
         adapters: AdapterService | None = None,
     ) -> None:
         self.registry = registry
         self.adapters = adapters
-        self.anchor = anchor
         #: Open side-channel connections, for stats; the socket server sets it.
         self.connections: Callable[[], int] = lambda: 0
         self.boot_id = uuid.uuid4().hex
@@ -175,7 +173,7 @@ class PackService:
         def build() -> HostPack:
             started = time.monotonic()
             try:
-                pack = build_host_pack(model, plan, self.anchor, f"weightd:{label}")
+                pack = build_host_pack(model, plan, f"weightd:{label}")
             except DataIntegrityError as exc:
                 self.registry.mark_broken(model, str(exc))
                 raise
