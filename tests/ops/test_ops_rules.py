@@ -40,6 +40,7 @@ from weightd.server.rpc.guards import (
     identities_from_auth_context,
 )
 from weightd.server.rpc.interceptors import split_method
+from weightd.server.rpc.status import grpc_status
 from weightd.server.store.residency import (
     PAGE_BYTES,
     resident_bytes,
@@ -143,7 +144,7 @@ def test_fetch_bounds(model: str, names: list[str], needle: str | None) -> None:
         return
     with pytest.raises(errors.RequestTooLarge, match=needle) as info:
         check_fetch_bounds(model, names)
-    assert errors.status_for(info.value)[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert grpc_status(info.value)[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @pytest.mark.parametrize(
@@ -177,7 +178,7 @@ def test_authorize(identities: list[str], outcome: object) -> None:
         return
     with pytest.raises(errors.WeightdError) as info:
         authorize(identities, frozenset({"admin"}))
-    assert errors.status_for(info.value)[0] is outcome
+    assert grpc_status(info.value)[0] is outcome
 
 
 UNIX = Address("unix", path="/run/w/weightd.sock")

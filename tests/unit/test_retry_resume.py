@@ -16,8 +16,9 @@ from weightd.client.errors import (
     WeightdError,
 )
 from weightd.client.retry import call_with_retry
-from weightd.server.base.errors import InvalidRequest, ModelChanged, status_for
+from weightd.server.base.errors import InvalidRequest, ModelChanged
 from weightd.server.rpc.resume import resume_start
+from weightd.server.rpc.status import grpc_status
 
 
 class Clock:
@@ -142,7 +143,7 @@ def test_resume_start_within_the_rank_and_same_content() -> None:
 def test_resume_against_other_content_is_aborted_with_the_reason() -> None:
     with pytest.raises(ModelChanged) as info:
         resume_start("llama", 5, "a" * 64, "b" * 64, 10)
-    code, detail = status_for(info.value)
+    code, detail = grpc_status(info.value)
     assert code is grpc.StatusCode.ABORTED
     assert "model 'llama' changed" in detail and "from tensor 0" in detail
 
@@ -150,5 +151,5 @@ def test_resume_against_other_content_is_aborted_with_the_reason() -> None:
 def test_resume_past_the_rank_is_invalid_argument_naming_the_field() -> None:
     with pytest.raises(InvalidRequest) as info:
         resume_start("llama", 11, "", "fp", 10)
-    assert status_for(info.value)[0] is grpc.StatusCode.INVALID_ARGUMENT
+    assert grpc_status(info.value)[0] is grpc.StatusCode.INVALID_ARGUMENT
     assert "start_index 11 is past the rank's 10 tensors" in str(info.value)

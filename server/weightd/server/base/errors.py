@@ -1,21 +1,50 @@
-"""One error hierarchy for the daemon, and the one table that maps it to gRPC.
+"""One error hierarchy for the daemon, and the one table that maps it to a status.
 
 Every failure the daemon can explain is a :class:`WeightdError` subclass whose
-message names the model, file, tensor or field at fault. The service layer turns
-these into a status with :func:`status_for` and nothing else; anything that is not a
-``WeightdError`` is a bug and becomes INTERNAL (logged with its traceback), so an
-explained failure can never be reported under the wrong code.
+message names the model, file, tensor or field at fault, and whose class says its
+:class:`Code`. Every edge turns failures into a status with :func:`status_for` and
+nothing else (the gRPC servicers through :mod:`weightd.server.rpc.status`, the side
+channel directly); anything that is not a ``WeightdError`` is a bug and becomes
+INTERNAL (logged with its traceback), so an explained failure can never be reported
+under the wrong code.
+
+Why a code enum of our own rather than ``grpc.StatusCode``: every stage imports this
+module, and the pure ones (parsing, planning) must not depend on the RPC library.
+The numbers are gRPC's, so the side channel sends them as they are and the gRPC edge
+converts by name.
 """
 
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class Code(enum.IntEnum):
+    """The status codes the daemon answers with; numbers and names as in gRPC."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class WeightdError(Exception):
     """Base of every error the daemon explains to its callers."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    code: Code = Code.INTERNAL
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -35,7 +64,7 @@ class CheckpointError(WeightdError):
     version keeps serving and the RPC answers FAILED_PRECONDITION.
     """
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
     def __init__(self, path: str, problem: str) -> None:
         super().__init__(f"{path}: {problem}")
@@ -204,7 +233,7 @@ class DigestMismatchError(CheckpointError):
     """Bytes on disk do not hash to the trusted digest or size (a manifest's, or a Hugging
     Face cache blob's name). Nothing is served."""
 
-    code = grpc.StatusCode.DATA_LOSS
+    code = Code.DATA_LOSS
 
 
 class SignatureError(CheckpointError):
@@ -286,29 +315,29 @@ class AdapterBaseMismatch(AdapterError):
 
 
 class ModelNotFound(WeightdError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = Code.NOT_FOUND
 
 
 class TensorNotFound(WeightdError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = Code.NOT_FOUND
 
 
 class InvalidRequest(WeightdError):
     """The request itself is malformed (a rank outside the world, a zero world size)."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = Code.INVALID_ARGUMENT
 
 
 class ShardingError(WeightdError):
     """The model cannot be split the way the request asks (a dimension not divisible)."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = Code.INVALID_ARGUMENT
 
 
 class NoShardingRules(WeightdError):
     """The model's architecture has no sharding rules, so only world_size 1 is served."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
 
 class QuantizationSplitError(ShardingError):
@@ -329,7 +358,7 @@ class RulesFileError(WeightdError):
     Raised at start-up (``weightd serve``/``plan``), before any model is loaded.
     """
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
     def __init__(self, path: str, problem: str) -> None:
         super().__init__(f"{path}: {problem}")
@@ -340,7 +369,7 @@ class RulesFileError(WeightdError):
 class ModelNotReady(WeightdError):
     """The model is still being verified, or is draining; retrying later can succeed."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    code = Code.UNAVAILABLE
 
 
 class ModelChanged(WeightdError):
@@ -348,7 +377,7 @@ class ModelChanged(WeightdError):
     on another checkpoint): the client must start again from the first tensor rather
     than mix two versions in one rank."""
 
-    code = grpc.StatusCode.ABORTED
+    code = Code.ABORTED
 
 
 class DataIntegrityError(WeightdError):
@@ -357,28 +386,32 @@ class DataIntegrityError(WeightdError):
     The daemon stops serving the model until it is reloaded; nothing unverified leaves.
     """
 
-    code = grpc.StatusCode.DATA_LOSS
+    code = Code.DATA_LOSS
 
 
 class ResourceLimitError(WeightdError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
 
 
 class AdapterNotFound(WeightdError):
     """No adapter of that name is loaded (never was, unloaded, or evicted)."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    code = Code.NOT_FOUND
 
 
 class NoAdapters(WeightdError):
     """The daemon was started without adapter serving."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
 
 class AdapterBudgetExhausted(ResourceLimitError):
     """An adapter does not fit the adapter budget even after evicting every adapter that
     is neither leased nor pinned; nothing was evicted."""
+
+
+class WatchOverflow(ResourceLimitError):
+    """A watcher read adapter events too slowly and missed some; it must watch again."""
 
 
 class RequestTooLarge(ResourceLimitError):
@@ -388,7 +421,7 @@ class RequestTooLarge(ResourceLimitError):
 class StreamTimeLimit(WeightdError):
     """A stream ran past the daemon's own cap on stream duration (``--max-stream-seconds``)."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = Code.DEADLINE_EXCEEDED
 
 
 # --- files weightd writes ------------------------------------------------------------
@@ -401,7 +434,7 @@ class OutputWriteError(WeightdError):
     so the previous file (if any) is untouched and nothing half-written is left behind.
     """
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
     def __init__(self, path: str, problem: str) -> None:
         super().__init__(f"cannot write {path}: {problem}")
@@ -412,7 +445,7 @@ class OutputWriteError(WeightdError):
 class StorageFullError(OutputWriteError):
     """The file system is full, a quota or a file-size limit was hit (ENOSPC, EDQUOT, EFBIG)."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
 
 
 # --- access -------------------------------------------------------------------------
@@ -422,14 +455,14 @@ class Unauthenticated(WeightdError):
     """The caller presented no identity where one is required (admin over TCP without a
     client certificate the daemon can read)."""
 
-    code = grpc.StatusCode.UNAUTHENTICATED
+    code = Code.UNAUTHENTICATED
 
 
 class PermissionDenied(WeightdError):
     """The caller is known but not allowed: an admin RPC on the worker listener, or a
     client certificate whose identity is not in ``--admin-allow``."""
 
-    code = grpc.StatusCode.PERMISSION_DENIED
+    code = Code.PERMISSION_DENIED
 
 
 # --- start-up -----------------------------------------------------------------------
@@ -452,19 +485,25 @@ class TransportError(WeightdError):
     succeed; every other error means the request is wrong and gRPC would refuse it too.
     """
 
-    code = grpc.StatusCode.UNAVAILABLE
+    code = Code.UNAVAILABLE
 
 
 class PackMemoryExhausted(TransportError):
     """A pack does not fit: its budget is held by leased packs, or the kernel refused memory."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
 
 
 class PlacementUnavailable(TransportError):
     """The daemon does not offer the placement asked for (CUDA IPC off, GPU not visible)."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
+
+
+class SideChannelFull(TransportError):
+    """Every side-channel connection slot is taken; the client may fall back to gRPC."""
+
+    code = Code.RESOURCE_EXHAUSTED
 
 
 class CudaFailure(TransportError):
@@ -474,23 +513,35 @@ class CudaFailure(TransportError):
 class StaleGrant(WeightdError):
     """A pack reference from an earlier daemon boot, or a pack that no longer exists."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
 
 class LocalProtocolError(WeightdError):
     """A side-channel request that is malformed or out of order."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = Code.INVALID_ARGUMENT
 
 
 class CudaUnavailable(WeightdError):
     """A start-up option needs CUDA (``--pin``, ``--cuda-ipc``) and this host has none."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
 
-def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status a failed RPC answers with. The only place codes are chosen."""
+class ListenError(WeightdError):
+    """The daemon cannot listen where it was asked to."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class UsageError(WeightdError):
+    """Options that contradict each other (reported as one line, exit 1)."""
+
+    code = Code.INVALID_ARGUMENT
+
+
+def status_for(error: BaseException) -> tuple[Code, str]:
+    """The status a failure answers with. The only place codes are chosen."""
     if isinstance(error, WeightdError):
         return error.code, error.message
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__}); see the daemon log"
+    return Code.INTERNAL, f"internal error ({type(error).__name__}); see the daemon log"

@@ -11,17 +11,13 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Final
 
-from ..base.errors import CheckpointError, WeightdError
+from ..base.errors import CheckpointError, UsageError, WeightdError
 
 if TYPE_CHECKING:  # the verify stack (blake3, cryptography) loads only when used
     from ..trust.verify import Verification, VerifyOptions
 
 #: Problems printed by ``weightd verify`` before "... and N more" (``--json`` has all).
 MAX_PRINTED_PROBLEMS: Final = 100
-
-
-class UsageError(WeightdError):
-    """Options that contradict each other (reported as one line, exit 1)."""
 
 
 # --- serve options ---------------------------------------------------------------------

@@ -14,11 +14,7 @@ import stat
 from dataclasses import dataclass
 from typing import IO
 
-from ..base.errors import WeightdError
-
-
-class ListenError(WeightdError):
-    """The daemon cannot listen where it was asked to."""
+from ..base.errors import ListenError
 
 
 @dataclass(frozen=True, slots=True)

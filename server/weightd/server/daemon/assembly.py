@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from ..adapters.registry import AdapterRegistry
 from ..adapters.service import AdapterService
+from ..base.errors import ListenError
 from ..plan.rules import RuleTable
 from ..plan.rules_file import load_rules_file
 from ..registry.filewatch import DEFAULT_INTERVAL_SECONDS, ShardWatcher
@@ -34,7 +35,7 @@ from ..transports.local_server import LocalServer, start_local_server
 from ..transports.options import LocalConfig, check_config
 from ..trust.verify import VerifyOptions
 from . import lifecycle, listeners
-from .addresses import Address, ListenError, parse_address, prepare_unix_socket
+from .addresses import Address, parse_address, prepare_unix_socket
 from .collectors import (
     GpuMemoryCollector,
     ModelCollector,

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from ..base.errors import SecurityConfigError
+from ..base.errors import ListenError, SecurityConfigError
 from ..registry.loading import Reloader
 from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.admin import create_admin_server
 from ..rpc.interceptors import RpcObserver
 from ..telemetry import logs
-from .addresses import Address, ListenError, default_socket_path, parse_address
+from .addresses import Address, default_socket_path, parse_address
 from .security import TlsMaterial
 
 if TYPE_CHECKING:

@@ -21,8 +21,9 @@ from weightd.v1 import weightd_pb2 as pb
 from ..adapters.packing import slice_bytes
 from ..adapters.registry import AdapterEvent, AdapterVersion
 from ..adapters.service import AdapterService, AdapterState, check_name
-from ..base.errors import status_for
+from ..base.errors import WatchOverflow
 from ..plan.layout import Layout
+from .status import abort
 from .wire import chunk_bytes
 
 log = logging.getLogger("weightd.adapters")
@@ -34,13 +35,6 @@ _KINDS: Final = {
 }
 #: Seconds between checks that a watcher is still connected.
 WATCH_POLL_SECONDS: Final = 1.0
-
-
-def _abort(context: grpc.ServicerContext, error: BaseException, method: str) -> None:
-    code, detail = status_for(error)
-    if code is grpc.StatusCode.INTERNAL:
-        log.error("%s failed", method, exc_info=error)
-    context.abort(code, detail)
 
 
 def status(v: AdapterVersion, pinned: bool = False, leases: int = 0) -> pb.AdapterStatus:
@@ -102,13 +96,12 @@ class Adapters:
             layout = Layout.of(request.layout)
             lease = self.service.registry.lease(request.name)
         except Exception as exc:
-            _abort(context, exc, "FetchAdapter")
-            return
+            abort(context, exc, "FetchAdapter")
         try:
             yield from self._stream(lease.version, layout, request, context)
         except Exception as exc:
             if context.is_active():
-                _abort(context, exc, "FetchAdapter")
+                abort(context, exc, "FetchAdapter")
         finally:
             lease.release()  # also on cancellation (GeneratorExit at a yield)
 
@@ -175,9 +168,12 @@ class Adapters:
                 event = w.next(timeout=WATCH_POLL_SECONDS)
                 if event is None:
                     if w.overflowed:
-                        context.abort(
-                            grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            "watcher fell too far behind the adapter events; watch again",
+                        abort(
+                            context,
+                            WatchOverflow(
+                                "watcher fell too far behind the adapter events; watch again"
+                            ),
+                            "WatchAdapters",
                         )
                     continue
                 yield to_pb(event)

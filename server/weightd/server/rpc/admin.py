@@ -16,20 +16,14 @@ import grpc
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from ..base.errors import NoAdapters, status_for
+from ..base.errors import NoAdapters
 from ..registry.loading import Reloader
 from .adapters import Adapters
 from .guards import AdminAuthorizer
 from .interceptors import RpcObserver
+from .status import unary
 
 log = logging.getLogger("weightd.admin")
-
-
-def _admin(method: str, context: grpc.ServicerContext, error: BaseException) -> None:
-    code, detail = status_for(error)
-    if code is grpc.StatusCode.INTERNAL:
-        log.error("%s failed", method, exc_info=error)
-    context.abort(code, detail)
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -42,59 +36,39 @@ class AdminService(pb_grpc.AdminServicer):
             raise NoAdapters("this daemon serves no adapters")
         return self._adapters
 
+    @unary
     def LoadAdapter(
         self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext
     ) -> pb.AdapterStatus:
-        try:
-            return self._a().load(request)
-        except Exception as exc:
-            _admin("LoadAdapter", context, exc)
-            raise
+        return self._a().load(request)
 
+    @unary
     def UnloadAdapter(
         self, request: pb.AdapterNameRequest, context: grpc.ServicerContext
     ) -> pb.AdapterStatus:
-        try:
-            return self._a().unload(request)
-        except Exception as exc:
-            _admin("UnloadAdapter", context, exc)
-            raise
+        return self._a().unload(request)
 
+    @unary
     def ListAdapters(
         self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext
     ) -> pb.ListAdaptersResponse:
-        try:
-            return self._a().list()
-        except Exception as exc:
-            _admin("ListAdapters", context, exc)
-            raise
+        return self._a().list()
 
+    @unary
     def PinAdapter(
         self, request: pb.AdapterNameRequest, context: grpc.ServicerContext
     ) -> pb.AdapterStatus:
-        try:
-            return self._a().pin(request, True)
-        except Exception as exc:
-            _admin("PinAdapter", context, exc)
-            raise
+        return self._a().pin(request, True)
 
+    @unary
     def UnpinAdapter(
         self, request: pb.AdapterNameRequest, context: grpc.ServicerContext
     ) -> pb.AdapterStatus:
-        try:
-            return self._a().pin(request, False)
-        except Exception as exc:
-            _admin("UnpinAdapter", context, exc)
-            raise
+        return self._a().pin(request, False)
 
+    @unary
     def Reload(self, request: pb.ReloadRequest, context: grpc.ServicerContext) -> pb.ReloadResponse:
-        try:
-            result = self._reloader.reload(request.model)
-        except Exception as exc:
-            code, detail = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.error("Reload failed", exc_info=exc)
-            context.abort(code, detail)
+        result = self._reloader.reload(request.model)
         ckpt = result.model.checkpoint
         return pb.ReloadResponse(
             model=ckpt.name,

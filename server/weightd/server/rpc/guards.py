@@ -2,7 +2,7 @@
 allowed identity, oversized requests and streams that outlive the daemon's cap.
 
 Each refusal is a typed error from :mod:`.errors`, so its status code comes from
-:func:`~.errors.status_for` like every other failure.
+:func:`~weightd.server.base.errors.status_for` like every other failure.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from ..base.errors import (
     StreamTimeLimit,
     Unauthenticated,
     WeightdError,
-    status_for,
 )
 from .interceptors import FETCH_METHOD, Behavior, Handler, rewrap
+from .status import abort
 from .wire import ADMIN_SERVICE
 
 log = logging.getLogger("weightd.guards")
@@ -41,11 +41,6 @@ ADMIN_METHODS: Final = {f"/{ADMIN_SERVICE}/{m.name}": m.server_streaming for m i
 MAX_FETCH_NAMES: Final = 1 << 16
 MAX_NAME_BYTES: Final = 1024
 MAX_MODEL_NAME_BYTES: Final = 256
-
-
-def _abort(context: grpc.ServicerContext, error: WeightdError) -> None:
-    code, detail = status_for(error)
-    context.abort(code, detail)
 
 
 # --- request bounds ------------------------------------------------------------------
@@ -93,11 +88,10 @@ class AdminGate(grpc.ServerInterceptor):
         )
 
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            _abort(context, error)
+            abort(context, error, method)
 
         def deny_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            _abort(context, error)
-            yield  # pragma: no cover - unreachable; makes this a generator
+            abort(context, error, method)  # raises: gRPC takes it as the stream's status
 
         if ADMIN_METHODS[method]:
             return grpc.unary_stream_rpc_method_handler(deny_stream)
@@ -159,7 +153,7 @@ class AdminAuthorizer(grpc.ServerInterceptor):
                 who = authorize(identities_from_auth_context(auth), allowed)
             except WeightdError as exc:
                 log.warning("admin call %s from %s refused: %s", method, context.peer(), exc)
-                _abort(context, exc)
+                abort(context, exc, method)
             log.info("admin call %s by %s", method, who)
 
         def unary(behavior: Behavior) -> Behavior:
@@ -275,7 +269,7 @@ class FetchGuard(grpc.ServerInterceptor):
             try:
                 check_fetch_bounds(request.model, request.names)
             except WeightdError as exc:
-                _abort(context, exc)
+                abort(context, exc, "Fetch")
             if watchdog is None:
                 yield from behavior(request, context)
                 return
@@ -285,12 +279,13 @@ class FetchGuard(grpc.ServerInterceptor):
             try:
                 for response in inner:
                     if time.monotonic() - started > watchdog.max_seconds:
-                        _abort(
+                        abort(
                             context,
                             StreamTimeLimit(
                                 f"fetch stream ran past the daemon's {watchdog.max_seconds:g}s "
                                 "limit (--max-stream-seconds); fetch fewer tensors per call"
                             ),
+                            "Fetch",
                         )
                     yield response
             finally:

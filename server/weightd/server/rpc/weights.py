@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -14,12 +13,13 @@ from prometheus_client import Counter
 from weightd.common.digests import slice_digest
 from weightd.v1 import weightd_pb2 as pb
 
-from ..base.errors import DataIntegrityError, ModelChanged, NoAdapters, WeightdError, status_for
+from ..base.errors import DataIntegrityError, ModelChanged, NoAdapters, WeightdError
 from ..plan.layout import Layout
 from ..plan.planner import RankPlan
 from ..registry.models import LoadedModel, ModelRegistry
 from .adapters import Adapters
 from .resume import resume_start
+from .status import abort, unary
 from .wire import (
     DEFAULT_CHUNK_BYTES,
     WEIGHTS_SERVICE,
@@ -34,27 +34,6 @@ log = logging.getLogger("weightd.service")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-
-
-def _abort(context: grpc.ServicerContext, error: BaseException, method: str) -> None:
-    code, detail = status_for(error)
-    if code is grpc.StatusCode.INTERNAL:
-        log.error("%s failed", method, exc_info=error)
-    context.abort(code, detail)
-
-
-def unary(
-    fn: Callable[[WeightsService, Req, grpc.ServicerContext], Resp],
-) -> Callable[[WeightsService, Req, grpc.ServicerContext], Resp]:
-    @functools.wraps(fn)
-    def wrapper(self: WeightsService, request: Req, context: grpc.ServicerContext) -> Resp:
-        try:
-            return fn(self, request, context)
-        except Exception as exc:
-            _abort(context, exc, fn.__name__)
-            raise  # unreachable: abort raises
-
-    return wrapper
 
 
 class WeightsService:
@@ -84,8 +63,7 @@ class WeightsService:
         try:
             adapters = self._adapters()
         except Exception as exc:
-            _abort(context, exc, "FetchAdapter")
-            return
+            abort(context, exc, "FetchAdapter")
         yield from adapters.fetch(request, context)
 
     def WatchAdapters(
@@ -94,8 +72,7 @@ class WeightsService:
         try:
             adapters = self._adapters()
         except Exception as exc:
-            _abort(context, exc, "WatchAdapters")
-            return
+            abort(context, exc, "WatchAdapters")
         yield from adapters.watch(context)
 
     @unary
@@ -180,7 +157,7 @@ class WeightsService:
                 self.registry.mark_broken(model, str(exc))
             if not isinstance(exc, WeightdError) and not context.is_active():
                 return  # the client went away mid-stream; nothing to report to anyone
-            _abort(context, exc, "Fetch")
+            abort(context, exc, "Fetch")
 
     def _count_resume(self, model: str, outcome: str) -> None:
         if self.resumes is not None:

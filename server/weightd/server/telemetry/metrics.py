@@ -195,10 +195,10 @@ class MetricsServer:
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
     """Start the metrics listener on ``host:port`` (port 0 picks a free one)."""
-    from ..daemon.addresses import ListenError
-
     try:
         server, thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
-        raise ListenError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
+        raise errors.ListenError(
+            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+        ) from None
     return MetricsServer(server, thread, host, int(server.server_port))

@@ -23,7 +23,6 @@ import struct
 import threading
 from typing import Final
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from weightd.common.cuda_driver import CudaDriver
@@ -31,9 +30,9 @@ from weightd.common.frames import FrameError, recv_frame, send_frame
 from weightd.v1 import local_pb2 as lpb
 
 from ..adapters.service import AdapterService
-from ..daemon.addresses import ListenError
+from ..base.errors import ListenError, SideChannelFull
 from ..registry.models import ModelRegistry
-from .local_service import PackService
+from .local_service import PackService, local_error
 from .options import LOCAL_SOCKET_SUFFIX, LocalConfig
 
 log = logging.getLogger("weightd.local")
@@ -112,10 +111,11 @@ class LocalServer:
             ).start()
 
     def _refuse(self, conn: socket.socket) -> None:
-        error = lpb.LocalError(
-            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-            detail=f"the daemon holds {self.max_connections} side-channel connections already",
-            transport=True,
+        error = local_error(
+            SideChannelFull(
+                f"the daemon holds {self.max_connections} side-channel connections already"
+            ),
+            "connect",
         )
         with contextlib.suppress(OSError):
             conn.settimeout(1.0)

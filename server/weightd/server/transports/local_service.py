@@ -26,8 +26,6 @@ from collections.abc import Callable, Hashable
 from dataclasses import replace
 from typing import Final
 
-import grpc
-
 from weightd.common.cuda_driver import CudaDriver
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
@@ -42,6 +40,7 @@ from ..adapters.packing import (
 from ..adapters.service import AdapterService, check_tp_only
 from ..base.errors import (
     AdapterNotFound,
+    Code,
     DataIntegrityError,
     LocalProtocolError,
     NoAdapters,
@@ -62,6 +61,18 @@ from .pinned import HostPinner
 log = logging.getLogger("weightd.local")
 
 PROTOCOL_VERSION: Final = 1
+
+
+def local_error(error: BaseException, what: str) -> lpb.LocalError:
+    """The side channel's answer to a failure: its status from the one table.
+
+    A :class:`TransportError` is flagged as the transport's own failure, so a client on
+    ``transport="auto"`` falls back to gRPC instead of giving up.
+    """
+    code, detail = status_for(error)
+    if code is Code.INTERNAL:
+        log.error("side-channel %s failed", what, exc_info=error)
+    return lpb.LocalError(code=code, detail=detail, transport=isinstance(error, TransportError))
 
 
 class PackService:
@@ -151,13 +162,7 @@ class PackService:
                 return Outcome(lpb.LocalResponse(stats=self.stats()), [])
             raise LocalProtocolError(f"request {which or '(empty)'} is not one this daemon knows")
         except Exception as exc:
-            code, detail = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.error("side-channel %s failed", which, exc_info=exc)
-            error = lpb.LocalError(
-                code=code.value[0], detail=detail, transport=isinstance(exc, TransportError)
-            )
-            return Outcome(lpb.LocalResponse(error=error), [])
+            return Outcome(lpb.LocalResponse(error=local_error(exc, which or "request")), [])
 
     def _acquire(self, req: lpb.AcquirePack) -> Outcome:
         if req.adapter:
