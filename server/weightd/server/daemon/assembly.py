@@ -141,6 +141,15 @@ class Daemon:
     def target(self) -> str:
         return self.address.grpc_target
 
+    def log_listening(self) -> None:
+        logs.event("listening", listener="worker", address=self.target)
+        if self.admin_address is not None:
+            logs.event("listening", listener="admin", address=self.admin_address.grpc_target)
+        if self.health_address is not None:
+            logs.event("listening", listener="health", address=self.health_address.grpc_target)
+        if self.metrics_server is not None:
+            logs.event("listening", listener="metrics", address=self.metrics_server.url)
+
     def set_serving(self, model: str, serving: bool) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING
@@ -330,7 +339,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         daemon.watcher.start()
     for s in daemon.grpc_servers:
         s.start()
-    listeners.log_listening(daemon)
+    daemon.log_listening()
     return daemon
 
 

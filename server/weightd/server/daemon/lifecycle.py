@@ -14,12 +14,13 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import grpc
+from grpc_health.v1 import health
+
+from ..rpc.interceptors import InflightTracker
 from ..telemetry import logs
-
-if TYPE_CHECKING:
-    from .assembly import Daemon
 
 log = logging.getLogger("weightd")
 
@@ -73,7 +74,19 @@ class Signals:
             log.warning("signal %d again: aborting in-flight RPCs now", signum)
 
 
-def drain(daemon: Daemon, grace: float, signals: Signals) -> int:
+class Drainable(Protocol):
+    """What a drain needs of a daemon: its health, its servers, what is in flight."""
+
+    @property
+    def health(self) -> health.HealthServicer: ...
+    @property
+    def tracker(self) -> InflightTracker: ...
+    @property
+    def grpc_servers(self) -> list[grpc.Server]: ...
+    def close(self) -> None: ...
+
+
+def drain(daemon: Drainable, grace: float, signals: Signals) -> int:
     """Drain as described above; returns the exit status."""
     daemon.health.enter_graceful_shutdown()
     # stop(grace) refuses new RPCs at once and lets those in flight run; it would

@@ -10,7 +10,6 @@ import os
 from collections.abc import Callable
 from concurrent import futures
 from importlib import metadata
-from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -21,12 +20,8 @@ from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.admin import create_admin_server
 from ..rpc.interceptors import RpcObserver
-from ..telemetry import logs
 from .addresses import Address, default_socket_path, parse_address
 from .security import TlsMaterial
-
-if TYPE_CHECKING:
-    from .assembly import Daemon
 
 ADMIN_SOCKET_NAME = "admin.sock"
 
@@ -128,13 +123,3 @@ def model_resolver(registry: ModelRegistry) -> Callable[[str], str | None]:
         return name if name in names else None
 
     return resolve
-
-
-def log_listening(daemon: Daemon) -> None:
-    logs.event("listening", listener="worker", address=daemon.target)
-    if daemon.admin_address is not None:
-        logs.event("listening", listener="admin", address=daemon.admin_address.grpc_target)
-    if daemon.health_address is not None:
-        logs.event("listening", listener="health", address=daemon.health_address.grpc_target)
-    if daemon.metrics_server is not None:
-        logs.event("listening", listener="metrics", address=daemon.metrics_server.url)
