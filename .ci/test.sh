@@ -10,6 +10,8 @@ echo "== ruff"
 .venv/bin/ruff format --check .
 echo "== mypy --strict"
 .venv/bin/mypy -p weightd.client -p weightd.common -p weightd.server
+echo "== import contracts"
+.venv/bin/lint-imports
 echo "== generated stubs"
 PYTHON=.venv/bin/python bash .ci/gen-proto --check
 echo "== pytest"
