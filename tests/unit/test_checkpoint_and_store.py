@@ -38,7 +38,8 @@ from weightd.server.base.paths import check_relative_name, open_regular_file
 from weightd.server.checkpoint import scan as checkpoint_scan
 from weightd.server.checkpoint.description import INDEX_FILE, Checkpoint, TensorInfo
 from weightd.server.checkpoint.scan import load_checkpoint
-from weightd.server.plan.planner import plan_rank, rules_for
+from weightd.server.plan.builtin_rules import rules_for
+from weightd.server.plan.planner import plan_rank
 from weightd.server.store.runs import RunPattern, block_pattern, whole_pattern
 from weightd.server.store.shards import MAX_GAP_BYTES, ShardStore
 from weightd.server.trust import integrity

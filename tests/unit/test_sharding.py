@@ -25,14 +25,9 @@ from weightd.server.base.errors import (
     TensorNotFound,
 )
 from weightd.server.checkpoint.description import Checkpoint, TensorInfo
-from weightd.server.plan.planner import (
-    LLAMA_FAMILY_RULES,
-    ArchRules,
-    AttentionShape,
-    Split,
-    plan_rank,
-    rules_for,
-)
+from weightd.server.plan.builtin_rules import LLAMA_FAMILY_RULES, rules_for
+from weightd.server.plan.planner import plan_rank
+from weightd.server.plan.rules import ArchRules, AttentionShape, Split
 from weightd.server.plan.slices import slice_tensor
 from weightd.server.store.runs import RunPattern
 

@@ -23,8 +23,7 @@ from weightd.common.dtypes import DTYPE_BITS
 from ..base.errors import ShardingError
 from ..checkpoint.description import Checkpoint, TensorInfo
 from ..plan.layout import Layout
-from ..plan.planner import _rules_or_fail as rules_or_fail
-from ..plan.planner import check_layout
+from ..plan.planner import check_layout, rules_or_fail
 from ..plan.quant import geometry
 from ..plan.rules import ArchRules, Split
 from ..plan.slices import WHOLE, Partition, TensorSlice

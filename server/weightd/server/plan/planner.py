@@ -48,32 +48,10 @@ from ..base.errors import (
 )
 from ..checkpoint.description import Checkpoint
 from ..store.runs import whole_pattern
-from .builtin_rules import (
-    LLAMA_FAMILY_ARCHITECTURES,
-    LLAMA_FAMILY_MODEL_TYPES,
-    LLAMA_FAMILY_RULES,
-    rules_for,
-)
 from .layout import Layout
 from .membership import held, membership_of
-from .rules import ArchRules, AttentionShape, Rule, Split
+from .rules import ArchRules, Rule
 from .slices import TensorSlice, cut_tensor
-
-__all__ = [
-    "LLAMA_FAMILY_ARCHITECTURES",
-    "LLAMA_FAMILY_MODEL_TYPES",
-    "LLAMA_FAMILY_RULES",
-    "ArchRules",
-    "AttentionShape",
-    "Layout",
-    "RankPlan",
-    "Rule",
-    "Split",
-    "check_layout",
-    "plan",
-    "plan_rank",
-    "rules_for",
-]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +74,7 @@ def check_layout(world_size: int, rank: int) -> None:
 # --- plans -----------------------------------------------------------------------------
 
 
-def _rules_or_fail(ckpt: Checkpoint, rules: ArchRules | None, layout: Layout) -> ArchRules:
+def rules_or_fail(ckpt: Checkpoint, rules: ArchRules | None, layout: Layout) -> ArchRules:
     if rules is None:
         arch = ckpt.architecture or ckpt.config.get("model_type") or "unknown"
         ask = str(layout.tp_size) if layout.world_size == layout.tp_size else layout.describe()
@@ -160,7 +138,7 @@ def plan(
             for t in chosen
         )
         return RankPlan(ckpt.name, 1, 0, slices, layout)
-    arch = _rules_or_fail(ckpt, rules, layout)
+    arch = rules_or_fail(ckpt, rules, layout)
     found = _match_all(ckpt, arch, layout)
     ctx = membership_of(ckpt, arch, layout, found)
     chosen = [ckpt.tensors[n] for n in names] if names else list(ckpt.tensors.values())

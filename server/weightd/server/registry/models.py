@@ -14,8 +14,8 @@ from ..base.errors import DataIntegrityError, InvalidRequest, ModelNotFound, Mod
 from ..checkpoint.description import Checkpoint
 from ..plan.builtin_rules import rules_for
 from ..plan.layout import Layout
-from ..plan.planner import ArchRules, RankPlan, plan
-from ..plan.rules import RuleTable
+from ..plan.planner import RankPlan, plan
+from ..plan.rules import ArchRules, RuleTable
 from ..plan.slices import TensorSlice, peer_slices
 from ..store.runs import RunPattern
 from ..store.shards import ShardStore
