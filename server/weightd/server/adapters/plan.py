@@ -26,7 +26,7 @@ from ..plan.layout import Layout
 from ..plan.planner import check_layout, rules_or_fail
 from ..plan.quant import geometry
 from ..plan.rules import ArchRules, Split
-from ..plan.slices import WHOLE, Partition, TensorSlice
+from ..plan.slices import Partition, TensorSlice
 from ..plan.tpcut import logical_blocks
 from ..store.runs import block_pattern, whole_pattern
 from .validate import AdapterModule
@@ -109,6 +109,3 @@ def plan_adapter(
         else:
             out += [_cut(m.a, a_name, 1, blocks, world_size, rank), _whole(m.b, b_name)]
     return AdapterSlicePlan(world_size, rank, tuple(out), scaling)
-
-
-__all__ = ["WHOLE", "AdapterSlicePlan", "plan_adapter", "served_name"]
