@@ -5,7 +5,7 @@
 and shard headers and lists every tensor that is not in exactly one shard, where the
 index says; :func:`describe` builds the :class:`Checkpoint` or raises the first problem.
 
-Why apart from :mod:`.checkpoint_scan`, which opens and reads the files: nothing here
+Why apart from :mod:`.scan`, which opens and reads the files: nothing here
 does I/O, so every parser and check can be fed crafted bytes directly (the fuzz tests
 do), and the description types most of the daemon imports come without the shard store.
 """

@@ -6,7 +6,7 @@ and small JSON files, and collects every problem it can find rather than stoppin
 the first, so ``weightd verify`` can list them all. :func:`load_checkpoint` is the
 strict form: first problem raised, nothing returned.
 
-Why apart from :mod:`.checkpoint`: that module is the pure half (parsing bytes,
+Why apart from :mod:`.description`: that module is the pure half (parsing bytes,
 cross-checking, the description types); this one owns the descriptors, the size
 bound on what is read, and the store the caller inherits.
 """

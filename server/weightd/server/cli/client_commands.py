@@ -1,7 +1,7 @@
 """The client commands of the CLI: ``weightd fetch``, ``list``, ``describe``, ``health``
 and ``reload``, and the TLS flags they share. Kept apart from ``cli.py``, which
 registers, dispatches and runs the local commands (``serve``, ``plan``,
-``demo-checkpoint``; ``cli_trust`` has the trust ones): these are clients of a
+``demo-checkpoint``; ``trust_commands`` has the trust ones): these are clients of a
 running daemon over gRPC, most of them through ``weightd.client`` (and so torch).
 """
 

@@ -2,7 +2,7 @@
 
 This file registers every command, dispatches, and runs the local ones (``serve``,
 ``plan``, ``demo-checkpoint``); the commands that are clients of a running daemon
-are in ``cli_client``, the trust commands in ``cli_trust``.
+are in ``client_commands``, the trust commands in ``trust_commands``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Wiring the daemon's listeners: worker, admin, health-only and metrics.
 
-Kept apart from :mod:`.daemon` so the factory reads as a list of decisions, and the
+Kept apart from :mod:`.assembly` so the factory reads as a list of decisions, and the
 decisions' details (default admin socket, port binding errors, reflection) live here.
 """
 

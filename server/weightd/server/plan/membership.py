@@ -1,11 +1,11 @@
 """Which worker of a layout holds a tensor: pipeline stages and expert blocks. Pure.
 
-Steps 2 and 3 of the planner (see ``sharding``). :func:`membership_of` checks the
+Steps 2 and 3 of the planner (see ``planner``). :func:`membership_of` checks the
 layout against the model once (a layer count for ``pp``, an expert count dividing
 ``ep``) and draws the stages' layer ranges and this worker's expert block;
 :func:`held` then says, tensor by tensor, whether the worker holds it, or why not.
 
-Kept apart from ``sharding.py`` (which runs the steps in order) and ``slices.py``
+Kept apart from ``planner.py`` (which runs the steps in order) and ``slices.py``
 (which cuts the bytes): membership is decided from names, rules and the layout
 alone, never from a tensor's dtype, shape or offset.
 """

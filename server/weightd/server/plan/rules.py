@@ -2,8 +2,8 @@
 
 A :class:`RuleTable` is one architecture family's table, independent of any model:
 name patterns mapped to a :class:`Rule`, plus which ``config.json`` fields hold the
-head, expert and layer counts. Built-in tables (``rules_builtin``) and ``--rules``
-files (``rulesfile``) are both parsed from the same JSON-shaped documents.
+head, expert and layer counts. Built-in tables (``builtin_rules``) and ``--rules``
+files (``rules_file``) are both parsed from the same JSON-shaped documents.
 :meth:`RuleTable.bind` reads those counts from one model's config and gives the
 :class:`ArchRules` the planner uses.
 """

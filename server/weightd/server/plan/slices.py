@@ -1,12 +1,12 @@
 """One tensor as one worker receives it: its shape, its byte runs, its peers. Pure.
 
-Step 4 of the planner (see ``sharding``): given the rule a tensor matched and a
+Step 4 of the planner (see ``planner``): given the rule a tensor matched and a
 worker's layout, :func:`cut_tensor` works out the worker's part of that one tensor:
 the tensor-parallel cut (``tpcut`` blocks mapped through ``quant.geometry``), the
 expert block of a stacked-experts tensor, and the byte runs (``runs``) to read.
 :func:`peer_slices` repeats the cut for every peer of the same partition.
 
-Kept apart from ``sharding.py``, which decides *which* tensors a worker receives
+Kept apart from ``planner.py``, which decides *which* tensors a worker receives
 (rules, stages, experts): this module decides *which bytes* of one tensor, and is
 all the dims, dtypes and offsets arithmetic. The service (anchoring peer slices),
 packs and adapters need the slice types and the cut without a whole plan.

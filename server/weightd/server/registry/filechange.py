@@ -3,7 +3,8 @@
 Pure: ``fstat``/``stat`` snapshots and checkpoint descriptions in, a verdict out, so
 a table of cases tests every rule (the I/O lives in :mod:`.filewatch`).
 
-A served shard is held by descriptor (see :mod:`.store`), so two things can change:
+A served shard is held by descriptor (see :mod:`weightd.server.store.shards`), so two
+things can change:
 
 * **the inode we hold** — a size or mtime change means its bytes may have changed
   (truncated, overwritten in place): ``CONTENT``, the model stops serving. A

@@ -1,7 +1,7 @@
 """Interceptors that refuse: admin calls where they don't belong, callers without an
 allowed identity, oversized requests and streams that outlive the daemon's cap.
 
-Each refusal is a typed error from :mod:`.errors`, so its status code comes from
+Each refusal is a typed error from :mod:`weightd.server.base.errors`, so its status code comes from
 :func:`~weightd.server.base.errors.status_for` like every other failure.
 """
 

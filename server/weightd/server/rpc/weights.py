@@ -176,7 +176,7 @@ class WeightsService:
         Each slice's bytes are hashed as they are read; the piece that completes a slice
         carries its digest only once those bytes were found to hash to the verified
         (anchored) digest. Pieces are referenced, not copied, until gRPC serializes the
-        message (see :mod:`.fetchwire` for why messages are not built with protobuf).
+        message (see :mod:`.wire` for why messages are not built with protobuf).
         """
         pending = EncodedResponse()
         for index, s in enumerate(plan.slices):
@@ -224,7 +224,7 @@ def add_weights_service(service: WeightsService, server: grpc.Server) -> None:
     """Register ``service`` for every method of ``weightd.v1.Weights`` on ``server``.
 
     What the generated ``add_WeightsServicer_to_server`` does, except that Fetch's
-    responses go through :func:`.fetchwire.serialize_fetch_response`, which accepts the
+    responses go through :func:`.wire.serialize_fetch_response`, which accepts the
     hand-encoded messages :meth:`WeightsService.Fetch` yields (same wire bytes).
     ``tests/unit/test_fetchwire.py`` checks this table against the proto's methods.
     """

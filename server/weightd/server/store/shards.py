@@ -12,9 +12,10 @@ Why ctime is not part of the serving check: ``chmod``, ``chown``, a new hard lin
 xattr change ctime and nothing else, and must not take a healthy model down. A
 rewrite that restores its mtime (``utime``, the file owner can) is the one content
 change only ctime shows; every served byte is still compared with its verified
-digest, and the daemon's file watcher (:mod:`.filewatch`) re-hashes a shard whose
-ctime moved. Verification itself uses the strict :meth:`ShardStore.check_identical`,
-because the hash cache records the identity of the bytes it hashed.
+digest, and the daemon's file watcher (:mod:`weightd.server.registry.filewatch`)
+re-hashes a shard whose ctime moved. Verification itself uses the strict
+:meth:`ShardStore.check_identical`, because the hash cache records the identity of the
+bytes it hashed.
 """
 
 from __future__ import annotations

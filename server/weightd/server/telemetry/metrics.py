@@ -10,8 +10,9 @@ only bounded label values: model names come from the operator's ``--model`` flag
 methods and codes from the proto and gRPC's fixed set, never from a client string.
 
 What is measured where: RPC counts, latency, bytes served and active streams come
-from the server interceptor (:mod:`.rpc_observer`); memory (file mappings, page
-cache residency, GPU) is computed on scrape by :mod:`.collectors`, off the hot path.
+from the server interceptor (:class:`~weightd.server.rpc.interceptors.RpcObserver`);
+memory (file mappings, page cache residency, GPU) is computed on scrape by
+:mod:`weightd.server.daemon.collectors`, off the hot path.
 """
 
 from __future__ import annotations

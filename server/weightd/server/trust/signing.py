@@ -96,7 +96,7 @@ def load_private_key(path: str) -> Ed25519PrivateKey:
 
 def _write_new(path: str, data: bytes, mode: int) -> None:
     """Create ``path`` exclusively with ``mode`` (a key is never silently replaced), whole
-    or not at all (see :mod:`.atomicio`)."""
+    or not at all (see :mod:`weightd.server.base.atomicio`)."""
     from ..base.atomicio import write_atomic
 
     if os.path.lexists(path):

@@ -6,8 +6,8 @@ it). It goes as far as it usefully can and collects every problem on the way:
 
 1. trust sources: the manifest is parsed and its signature checked before anything
    is hashed (a bad signature makes hashing pointless);
-2. structure: index, every shard header, cross-checks (see :mod:`.checkpoint_scan`);
-3. config: parameter names, shapes and dtypes (see :mod:`.config_check`);
+2. structure: index, every shard header, cross-checks (see :mod:`weightd.server.checkpoint.scan`);
+3. config: parameter names, shapes and dtypes (see :mod:`weightd.server.checkpoint.config_check`);
 4. digests: one pass per shard for SHA-256 and per-tensor BLAKE3 (or the hash
    cache, when the shard's fstat key is unchanged);
 5. comparison with the manifest and/or the Hugging Face cache blob names.
