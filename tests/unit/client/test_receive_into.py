@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_fetchwire import PAYLOADS, FakeStream, _rank, _tampered
+from tests.unit.client.wire_streams import PAYLOADS, FakeStream, _rank, _tampered
 from weightd.client.errors import DataLossError
 from weightd.client.receive import RankReceiver, fits
 
