@@ -1,4 +1,8 @@
-"""The retry policy and the resume decision: pure rules, table-tested."""
+"""The client's retry policy (``weightd.client.retry``): pure rules, table-tested.
+
+The daemon's side of a retried Fetch, the resume decision, is tested in
+``tests/unit/rpc/test_resume.py``.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +20,6 @@ from weightd.client.errors import (
     WeightdError,
 )
 from weightd.client.retry import call_with_retry
-from weightd.server.base.errors import InvalidRequest, ModelChanged
-from weightd.server.rpc.resume import resume_start
-from weightd.server.rpc.status import grpc_status
 
 
 class Clock:
@@ -129,27 +130,3 @@ def test_no_policy_means_no_retry() -> None:
 def test_policies_that_would_retry_the_wrong_thing_are_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         RetryPolicy(**kwargs)  # type: ignore[arg-type]
-
-
-# --- the daemon's resume decision -------------------------------------------------------
-
-
-def test_resume_start_within_the_rank_and_same_content() -> None:
-    assert resume_start("m", 0, "", "fp", 10) == 0
-    assert resume_start("m", 7, "fp", "fp", 10) == 7
-    assert resume_start("m", 10, "fp", "fp", 10) == 10  # everything held: only FetchDone
-
-
-def test_resume_against_other_content_is_aborted_with_the_reason() -> None:
-    with pytest.raises(ModelChanged) as info:
-        resume_start("llama", 5, "a" * 64, "b" * 64, 10)
-    code, detail = grpc_status(info.value)
-    assert code is grpc.StatusCode.ABORTED
-    assert "model 'llama' changed" in detail and "from tensor 0" in detail
-
-
-def test_resume_past_the_rank_is_invalid_argument_naming_the_field() -> None:
-    with pytest.raises(InvalidRequest) as info:
-        resume_start("llama", 11, "", "fp", 10)
-    assert grpc_status(info.value)[0] is grpc.StatusCode.INVALID_ARGUMENT
-    assert "start_index 11 is past the rank's 10 tensors" in str(info.value)
