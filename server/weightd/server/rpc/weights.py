@@ -226,7 +226,7 @@ def add_weights_service(service: WeightsService, server: grpc.Server) -> None:
     What the generated ``add_WeightsServicer_to_server`` does, except that Fetch's
     responses go through :func:`.wire.serialize_fetch_response`, which accepts the
     hand-encoded messages :meth:`WeightsService.Fetch` yields (same wire bytes).
-    ``tests/unit/test_fetchwire.py`` checks this table against the proto's methods.
+    ``tests/unit/rpc/test_wire.py`` checks this table against the proto's methods.
     """
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         "ListModels": grpc.unary_unary_rpc_method_handler(
