@@ -18,6 +18,7 @@ from weightd.v1 import weightd_pb2 as pb
 
 from .errors import DataLossError, InvalidArgumentError, from_rpc_error
 from .fetchwire import WireResponse
+from .layout import Layout
 from .receive import receive_all
 from .transports import FetchInfo, Transport
 
@@ -131,8 +132,7 @@ def fetch_adapter_via(
         transport,
         grpc_fetch,
         model="",
-        world_size=world_size,
-        rank=rank,
+        layout=Layout(tp_size=world_size, tp_rank=rank),
         names=(),
         device=torch.device(device),
         copy=copy,

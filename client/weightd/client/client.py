@@ -224,9 +224,12 @@ class WeightClient:
         verify: bool = False,
     ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
         """:meth:`fetch`, and how it was served (transport, reason, failures, pack)."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise InvalidArgumentError(
+                f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
+            )
         return self._fetch_negotiated(
-            rank,
-            world_size,
+            Layout(tp_size=world_size, tp_rank=rank),
             model=model,
             names=names,
             device=device,
@@ -237,8 +240,7 @@ class WeightClient:
 
     def _fetch_negotiated(
         self,
-        rank: int,
-        world_size: int,
+        layout: Layout,
         *,
         model: str | None,
         names: Iterable[str] | None,
@@ -248,23 +250,16 @@ class WeightClient:
         verify: bool,
         into: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
-        if world_size < 1 or not 0 <= rank < world_size:
-            # Checked here too: a negative number cannot even be encoded as uint32.
-            raise InvalidArgumentError(
-                f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
-            )
+        layout.check()  # here too: a negative number cannot even be encoded as uint32
         wanted = list(names or ())
 
         def negotiate() -> tuple[dict[str, torch.Tensor], FetchInfo]:
             return negotiated_fetch(
                 self.target,
                 transport,
-                lambda: self._fetch_grpc(
-                    Layout(tp_size=world_size, tp_rank=rank), model=model, names=wanted, into=into
-                ),
+                lambda: self._fetch_grpc(layout, model=model, names=wanted, into=into),
                 model=model or "",
-                world_size=world_size,
-                rank=rank,
+                layout=layout,
                 names=wanted,
                 device=torch.device(device),
                 copy=copy,
@@ -286,19 +281,28 @@ class WeightClient:
         model: str | None = None,
         names: Iterable[str] | None = None,
         device: str | torch.device = "cpu",
+        transport: Transport = "auto",
+        copy: bool = False,
+        verify: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Every tensor the worker at ``layout`` holds (or ``names``), sliced, digest-checked.
 
         A pipeline stage receives only its layers' tensors (and the embeddings, norm and
         head its position needs); an expert-parallel rank only its experts. Asking by
-        name for a tensor another worker holds is ``InvalidArgumentError``. Served over
-        gRPC; the same-host transports serve tensor-parallel layouts, through :meth:`fetch`.
+        name for a tensor another worker holds is ``InvalidArgumentError``. Transports,
+        ``copy`` and ``verify`` as in :meth:`fetch`; how it was served is in
+        :attr:`last_fetch`.
         """
-        layout.check()
-        out = self._fetch_grpc(layout, model=model, names=names)
-        if torch.device(device).type != "cpu":
-            return {name: t.to(device) for name, t in out.items()}
-        return out
+        state, _ = self._fetch_negotiated(
+            layout,
+            model=model,
+            names=names,
+            device=device,
+            transport=transport,
+            copy=copy,
+            verify=verify,
+        )
+        return state
 
     def attach(
         self,
@@ -384,9 +388,12 @@ class WeightClient:
         transports map the shared pack and copy from it either way.
         """
         targets = module.state_dict()  # detached views of its parameters and buffers
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise InvalidArgumentError(
+                f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
+            )
         state, info = self._fetch_negotiated(
-            rank,
-            world_size,
+            Layout(tp_size=world_size, tp_rank=rank),
             model=model,
             names=None,
             device="cpu",

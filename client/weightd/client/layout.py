@@ -45,6 +45,28 @@ class Layout:
         if any(not 0 <= n < _UINT32 for n in self.pp_layers):
             raise InvalidArgumentError(f"pp_layers {list(self.pp_layers)} has an invalid count")
 
+    @classmethod
+    def of_proto(cls, msg: pb.Layout) -> Layout:
+        """The layout a message names; pipeline/expert sizes of 0 (older peers) are 1."""
+        return cls(
+            tp_size=msg.tp_size,
+            tp_rank=msg.tp_rank,
+            pp_size=msg.pp_size or 1,
+            pp_rank=msg.pp_rank,
+            ep_size=msg.ep_size or 1,
+            ep_rank=msg.ep_rank,
+            pp_layers=tuple(msg.pp_layers),
+        )
+
+    def describe(self) -> str:
+        """``tp 1/2`` (and ``pp 0/2``, ``ep 1/4`` when set), as in the daemon's messages."""
+        parts = [f"tp {self.tp_rank}/{self.tp_size}"]
+        if self.pp_size > 1:
+            parts.append(f"pp {self.pp_rank}/{self.pp_size}")
+        if self.ep_size > 1:
+            parts.append(f"ep {self.ep_rank}/{self.ep_size}")
+        return ", ".join(parts)
+
     def to_proto(self) -> pb.Layout:
         return pb.Layout(
             tp_size=self.tp_size,

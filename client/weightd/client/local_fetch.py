@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from weightd.v1 import local_pb2 as lpb
-from weightd.v1 import weightd_pb2 as pb
 
 from .cuda_ipc import device_uuid, map_cuda_pack
 from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError, WeightdError
+from .layout import Layout
 from .local import LocalConnection, attach_request, pack_ref
 from .shm import map_host_pack
 from .transports import FetchInfo, PackRef, TransportFailure, candidates, side_socket_path
@@ -43,8 +43,7 @@ def negotiated_fetch(
     grpc_fetch: Callable[[], dict[str, torch.Tensor]],
     *,
     model: str,
-    world_size: int,
-    rank: int,
+    layout: Layout,
     names: Sequence[str],
     device: torch.device,
     copy: bool,
@@ -79,8 +78,7 @@ def negotiated_fetch(
                 side,
                 name,
                 model=model,
-                world_size=world_size,
-                rank=rank,
+                layout=layout,
                 names=names,
                 device=device,
                 copy=copy,
@@ -98,10 +96,9 @@ def negotiated_fetch(
             if transport != "auto" or exc.transport is None or i == len(order) - 1:
                 raise
             log.warning(
-                "weightd: %s transport failed for rank %d/%d, falling back to %s: %s",
+                "weightd: %s transport failed for %s, falling back to %s: %s",
                 name,
-                rank,
-                world_size,
+                layout.describe(),
                 order[i + 1],
                 exc,
             )
@@ -114,8 +111,7 @@ def fetch_local(
     transport: str,
     *,
     model: str,
-    world_size: int,
-    rank: int,
+    layout: Layout,
     names: Sequence[str],
     device: torch.device,
     copy: bool,
@@ -123,12 +119,12 @@ def fetch_local(
     timeout: float | None,
     adapter: str = "",
 ) -> tuple[dict[str, torch.Tensor], PackRef]:
-    """One rank's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc"."""
+    """One worker's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc"."""
     conn = LocalConnection(path, transport, timeout)
     try:
         acquire = lpb.AcquirePack(
             model=model,
-            layout=pb.Layout(tp_size=world_size, tp_rank=rank),
+            layout=layout.to_proto(),
             names=list(names),
             placement=lpb.PLACEMENT_HOST,
             adapter=adapter,
@@ -137,10 +133,29 @@ def fetch_local(
             acquire.placement = lpb.PLACEMENT_CUDA
             acquire.gpu_uuid = _cuda_check(conn, device)
         grant, fds = conn.request(lpb.LocalRequest(acquire=acquire), max_fds=1)
+        _check_granted_layout(grant, layout, transport)
     except BaseException:
         conn.close()
         raise
     return _map(grant, fds, conn, device, copy, verify), pack_ref(grant)
+
+
+def _check_granted_layout(grant: lpb.PackGrant, layout: Layout, transport: str) -> None:
+    """Refuse a pack for another layout than the one asked for.
+
+    A daemon from before the side channel planned whole layouts served every pipeline
+    stage and expert rank the TP pack; its grant names only the TP fields. Such a pack
+    is never handed out: the failure is the transport's, so ``auto`` falls back to gRPC.
+    """
+    if grant.HasField("adapter"):
+        return  # adapter packs are tensor-parallel only (the daemon refuses others)
+    granted = Layout.of_proto(grant.layout)
+    if granted != layout:
+        raise UnavailableError(
+            f"the daemon granted a pack for {granted.describe()}, not {layout.describe()} "
+            "(it predates pipeline/expert layouts over shared memory)",
+            transport=transport,
+        )
 
 
 def attach_local(

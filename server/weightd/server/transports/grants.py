@@ -20,6 +20,7 @@ from weightd.v1 import weightd_pb2 as pb
 from ..adapters.packing import AdapterPackLease, AdapterTag
 from ..packs.build import HostPack, PackEntry
 from ..packs.cache import Lease
+from ..plan.layout import Layout
 from .cuda_ipc import CudaPack
 
 
@@ -28,8 +29,7 @@ class PackInfo:
     """What stats report about a pack (its key holds the model fingerprint instead)."""
 
     model: str
-    tp_size: int
-    tp_rank: int
+    layout: Layout
     placement: lpb.Placement.ValueType
     gpu_uuid: str = ""
     adapter: AdapterTag | None = None  # an adapter pack: the version it holds
@@ -69,6 +69,19 @@ def _entries(entries: tuple[PackEntry, ...], names: list[str]) -> list[lpb.PackE
     ]
 
 
+def wire_layout(layout: Layout) -> pb.Layout:
+    """The wire form of a pack's layout, every field set (grants and stats)."""
+    return pb.Layout(
+        tp_size=layout.tp_size,
+        tp_rank=layout.tp_rank,
+        pp_size=layout.pp_size,
+        pp_rank=layout.pp_rank,
+        ep_size=layout.ep_size,
+        ep_rank=layout.ep_rank,
+        pp_layers=layout.pp_layers,
+    )
+
+
 def answer(boot_id: str, lease: Held, names: list[str]) -> Outcome:
     """The grant for a lease (entries for ``names``, or all), with what it must carry."""
     info = lease.info
@@ -79,7 +92,7 @@ def answer(boot_id: str, lease: Held, names: list[str]) -> Outcome:
         boot_id=boot_id,
         pack_id=lease.pack_id,
         model=info.model,
-        layout=pb.Layout(tp_size=info.tp_size, tp_rank=info.tp_rank),
+        layout=wire_layout(info.layout),
         placement=info.placement,
         size_bytes=pack.size,
         entries=_entries(pack.entries, names),

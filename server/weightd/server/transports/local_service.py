@@ -28,7 +28,6 @@ from typing import Final
 
 from weightd.common.cuda_driver import CudaDriver
 from weightd.v1 import local_pb2 as lpb
-from weightd.v1 import weightd_pb2 as pb
 
 from ..adapters.packing import (
     AdapterPackLease,
@@ -54,13 +53,23 @@ from ..packs.cache import Lease, PackCache
 from ..plan.layout import Layout
 from ..registry.models import ModelRegistry
 from .cuda_ipc import CudaPack, CudaPlacer
-from .grants import Held, Outcome, PackInfo, answer
+from .grants import Held, Outcome, PackInfo, answer, wire_layout
 from .options import LocalConfig
 from .pinned import HostPinner
 
 log = logging.getLogger("weightd.local")
 
 PROTOCOL_VERSION: Final = 1
+
+
+def pack_label(layout: Layout) -> str:
+    """A pack's layout in its memfd name and log lines: ``tp2:r1``, ``tp2:r1:pp1/2``."""
+    label = f"tp{layout.tp_size}:r{layout.tp_rank}"
+    if layout.pp_size > 1:
+        label += f":pp{layout.pp_rank}/{layout.pp_size}"
+    if layout.ep_size > 1:
+        label += f":ep{layout.ep_rank}/{layout.ep_size}"
+    return label
 
 
 def local_error(error: BaseException, what: str) -> lpb.LocalError:
@@ -168,12 +177,14 @@ class PackService:
         if req.adapter:
             return self._acquire_adapter(req)
         model = self.registry.get(req.model)
-        ws, rank = req.layout.tp_size, req.layout.tp_rank
+        # The whole layout, validated and planned by the same code as a gRPC Fetch: a
+        # pipeline stage or an expert rank gets exactly what Fetch would stream it.
+        layout = Layout.of(req.layout)
         if req.names:
-            model.plan(ws, rank, tuple(req.names))  # unknown or repeated names fail here
-        plan = model.plan(ws, rank)
-        key = (model.fingerprint, ws, rank)
-        label = f"{model.name}:tp{ws}:r{rank}"
+            model.plan_layout(layout, tuple(req.names))  # unknown or repeated names fail here
+        plan = model.plan_layout(layout)
+        key = (model.fingerprint, layout)
+        label = f"{model.name}:{pack_label(layout)}"
 
         def build() -> HostPack:
             started = time.monotonic()
@@ -195,7 +206,7 @@ class PackService:
             return pack
 
         _, size = layout_pack(plan.slices)
-        info = PackInfo(model.name, ws, rank, lpb.PLACEMENT_HOST)
+        info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST)
         host = self.host.acquire(key, size, info, build)
         if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
             return answer(self.boot_id, host, list(req.names))
@@ -229,7 +240,7 @@ class PackService:
 
             _, size = layout_pack(plan.slices)
             tag = adapter_tag(v, plan)
-            info = PackInfo(v.adapter.base_model, ws, rank, lpb.PLACEMENT_HOST, adapter=tag)
+            info = PackInfo(v.adapter.base_model, layout, lpb.PLACEMENT_HOST, adapter=tag)
             host = self.host.acquire(key, size, info, build)
             lease: Lease[HostPack] | Lease[CudaPack] = host
             if req.placement not in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
@@ -320,7 +331,7 @@ class PackService:
                 out.packs.add(
                     pack_id=s.pack_id,
                     model=info.model,
-                    layout=pb.Layout(tp_size=info.tp_size, tp_rank=info.tp_rank),
+                    layout=wire_layout(info.layout),
                     placement=info.placement,
                     gpu_uuid=info.gpu_uuid,
                     size_bytes=s.size,
