@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from ..adapters.registry import AdapterRegistry
 from ..adapters.service import AdapterService
+from ..base.cleanup import on_error
 from ..base.errors import ListenError
 from ..plan.rules import RuleTable
 from ..plan.rules_file import load_rules_file
@@ -244,7 +245,15 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     watchdog = StreamWatchdog(config.max_stream_seconds) if config.max_stream_seconds > 0 else None
     locks: list[IO[str]] = []
     daemon: Daemon | None = None
-    try:
+
+    def undo() -> None:
+        if daemon is not None:
+            daemon.close()
+        else:
+            for held in locks:
+                held.close()
+
+    with on_error(undo, "the half-built daemon"):
         lock = prepare_unix_socket(address.path) if address.kind == "unix" else None
         options = [
             ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
@@ -325,13 +334,6 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             assert metrics_registry is not None
             host, port = listeners.host_port(config.metrics_listen)
             daemon.metrics_server = serve_metrics(metrics_registry, host, port)
-    except BaseException:
-        if daemon is not None:
-            daemon.close()
-        else:
-            for held in locks:
-                held.close()
-        raise
     for status_name in ("", WEIGHTS_SERVICE):
         health_servicer.set(status_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     registry.on_change(daemon.set_serving)
@@ -376,12 +378,9 @@ def serve(config: ServeConfig) -> int:
     )
     try:
         daemon = create_daemon(config)
-        try:
+        with on_error(lambda: daemon.stop(0), "the daemon after a failed start"):
             load_models(daemon, config.models, tables, config.verify)
-            signals.started()  # inside the try: a signal just before this still stops cleanly
-        except BaseException:
-            daemon.stop(0)
-            raise
+            signals.started()  # inside the block: a signal just before this still stops cleanly
     except lifecycle.ShutdownRequested as stop:
         logs.event("exit", status=0, reason=f"signal {stop.signum} during start-up")
         return 0

@@ -36,6 +36,7 @@ import numpy as np
 
 from weightd.common.digests import slice_digest
 
+from ..base.cleanup import closing, on_error
 from ..base.errors import DataIntegrityError, PackMemoryExhausted
 from ..plan.planner import RankPlan
 from ..plan.slices import TensorSlice
@@ -122,8 +123,10 @@ class HostPack:
             self._unpin()
             self._unpin = None
         self._array = None
-        self.mapping.close()
-        os.close(self.fd)
+        try:
+            self.mapping.close()
+        finally:
+            os.close(self.fd)  # the descriptor goes even if the mapping is still in use
 
 
 def build_host_pack(model: LoadedModel, plan: RankPlan, label: str) -> HostPack:
@@ -151,7 +154,7 @@ def build_pack(
     """
     offsets, size = layout_pack(slices)
     fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
+    with on_error(lambda: os.close(fd), f"the memfd of pack {label}"):
         try:
             # Size it (a file-size limit refuses that: EFBIG) and allocate every page now:
             # a shortage is an error here, not SIGBUS or the OOM killer on first touch
@@ -162,35 +165,33 @@ def build_pack(
             raise PackMemoryExhausted(
                 f"cannot allocate {size} bytes of shared memory for pack {label}: {exc.strerror}"
             ) from None
-        _fill(slices, fill, offsets, fd, size)
+        _fill(slices, fill, offsets, fd, size, label)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, PACK_SEALS)
         entries = tuple(
             PackEntry(s.name, s.dtype, s.shape, off, s.nbytes, d, s.split_dim, s.replicated)
             for s, off, d in zip(slices, offsets, digests, strict=True)
         )
         pack = HostPack(fd, size, entries, label)
-    except BaseException:
-        os.close(fd)
-        raise
-    try:
+    with on_error(pack.close, f"pack {label}"):
         _verify(pack, slices)
-    except BaseException:
-        pack.close()
-        raise
     return pack
 
 
 def _fill(
-    slices: Sequence[TensorSlice], fill: FillFn, offsets: list[int], fd: int, size: int
+    slices: Sequence[TensorSlice],
+    fill: FillFn,
+    offsets: list[int],
+    fd: int,
+    size: int,
+    label: str,
 ) -> None:
     writer = mmap.mmap(fd, size)  # MAP_SHARED, writable: the one writer, unmapped before sealing
-    try:
-        with memoryview(writer) as view:
-            for s, off in zip(slices, offsets, strict=True):
-                if s.nbytes:
-                    fill(s, view[off : off + s.nbytes])
-    finally:
-        writer.close()
+    # A fill that fails (a shard changed under us: DATA_LOSS) must surface as itself,
+    # not as the BufferError of unmapping while its frames still hold views of the map.
+    with closing(writer.close, f"the writer mapping of pack {label}"), memoryview(writer) as view:
+        for s, off in zip(slices, offsets, strict=True):
+            if s.nbytes:
+                fill(s, view[off : off + s.nbytes])
 
 
 def _verify(pack: HostPack, slices: Sequence[TensorSlice]) -> None:

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from ..base.cleanup import release_frames
 from ..base.errors import PackMemoryExhausted, StaleGrant, TransportError
 
 
@@ -165,6 +166,8 @@ class PackCache(Generic[P]):
                     raise TransportError(f"{self.what} packs are being freed: the daemon stops")
                 slot.future.set_result(pack)
             except BaseException as exc:
+                # Waiters get the same error; its frames (half-built buffers) go now.
+                release_frames(exc)
                 with self._lock:
                     if self._slots.get(key) is slot:
                         del self._slots[key]

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from ..base.cleanup import on_error
 from ..base.errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady
 from ..checkpoint.description import Checkpoint
 from ..plan.builtin_rules import rules_for
@@ -130,15 +131,12 @@ def load_model(
     """
     v = verify_checkpoint(model_dir, name, options)
     store = v.store
-    try:
+    with on_error(store.close, f"the shard files of {model_dir}"):
         if v.checkpoint is None or v.problems:
             raise first_problem(v.problems, model_dir)
         ckpt = v.checkpoint
         rules = rules_for(ckpt.config, tables)
         digests = v.tensor_digests
-    except BaseException:
-        store.close()
-        raise
     for line in v.trust:
         log.info("model %s matches %s", ckpt.name, line)
     return LoadedModel(

@@ -21,6 +21,7 @@ import time
 
 from weightd.common.cuda_driver import CudaDriver, CudaDriverError
 
+from ..base.cleanup import on_error
 from ..base.errors import CudaFailure, PackMemoryExhausted, PlacementUnavailable
 from ..packs.build import HostPack, PackEntry
 
@@ -87,13 +88,10 @@ class CudaPlacer:
                             f"({host.size} bytes): {exc}"
                         ) from None
                     raise
-                try:
+                with on_error(lambda: self._driver.mem_free(ptr), f"GPU memory of {host.label}"):
                     self._driver.set_sync_memops(ptr)
                     self._driver.memcpy_htod(ptr, host.address, host.size)
                     handle = self._driver.ipc_get_handle(ptr)
-                except BaseException:
-                    self._driver.mem_free(ptr)
-                    raise
         except CudaDriverError as exc:
             raise CudaFailure(f"placing pack {host.label} on GPU {gpu_uuid}: {exc}") from None
         seconds = time.monotonic() - started

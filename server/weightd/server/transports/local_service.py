@@ -37,6 +37,7 @@ from ..adapters.packing import (
     build_adapter_pack,
 )
 from ..adapters.service import AdapterService, check_tp_only
+from ..base.cleanup import release_frames
 from ..base.errors import (
     AdapterNotFound,
     Code,
@@ -245,7 +246,8 @@ class PackService:
             lease: Lease[HostPack] | Lease[CudaPack] = host
             if req.placement not in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
                 lease = self._place(req, host, key, info)
-        except BaseException:
+        except BaseException as error:
+            release_frames(error)
             version.release()
             raise
         held: Held = AdapterPackLease(lease, version)

@@ -24,6 +24,7 @@ import numpy as np
 
 from weightd.common.digests import format_digest, slice_digest
 
+from ..base.cleanup import release_frames
 from ..base.errors import DataIntegrityError
 from ..checkpoint.description import Checkpoint, TensorInfo
 from ..store.runs import RunPattern
@@ -185,6 +186,7 @@ class SliceAnchors:
                     )
                 )
             except BaseException as exc:
+                release_frames(exc)  # waiters share the error; its frames' buffers go now
                 with self._lock:
                     del self._cache[key]
                 future.set_exception(exc)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..base.cleanup import closing
 from ..base.errors import CheckpointError, ManifestSyntaxError, WeightdError
 from ..checkpoint.config_check import check_layout
 from ..checkpoint.description import Checkpoint
@@ -265,11 +266,8 @@ def _digests(
     reporter = Reporter(f"hashing {ckpt.name}") if options.progress and total else None
     progress = Progress(total, reporter.advance if reporter else None)
     started = time.monotonic()
-    try:
+    with closing(reporter.close if reporter else lambda: None, "the progress line"):
         hashed = hash_shards(jobs, options.threads, progress)
-    finally:
-        if reporter is not None:
-            reporter.close()
     v.hash_seconds = time.monotonic() - started
     v.hashed_bytes = total
     out.update(hashed)
