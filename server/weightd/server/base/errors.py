@@ -17,6 +17,7 @@ converts by name.
 from __future__ import annotations
 
 import enum
+from typing import Final
 
 
 class Code(enum.IntEnum):
@@ -545,3 +546,14 @@ def status_for(error: BaseException) -> tuple[Code, str]:
     if isinstance(error, WeightdError):
         return error.code, error.message
     return Code.INTERNAL, f"internal error ({type(error).__name__}); see the daemon log"
+
+
+#: Characters of a client-supplied string quoted back in an error detail.
+ECHO_CHARS: Final = 80
+
+
+def echo(value: str) -> str:
+    """``value`` quoted for an error detail, cut to :data:`ECHO_CHARS` characters."""
+    if len(value) <= ECHO_CHARS:
+        return repr(value)
+    return f"{value[:ECHO_CHARS]!r}... ({len(value.encode())} bytes)"

@@ -28,6 +28,7 @@ from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.guards import AdminGate, FetchGuard, StreamWatchdog
 from ..rpc.interceptors import InflightTracker, RpcObserver
+from ..rpc.requests import RequestGuard
 from ..rpc.weights import WeightsService, add_weights_service
 from ..rpc.wire import DEFAULT_CHUNK_BYTES, WEIGHTS_SERVICE
 from ..telemetry import logs
@@ -266,7 +267,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             ),
             options=options,
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-            interceptors=[observer, AdminGate(), FetchGuard(watchdog)],
+            interceptors=[observer, RequestGuard(), AdminGate(), FetchGuard(watchdog)],
         )
         adapter_service = AdapterService(
             registry, AdapterRegistry(config.adapter_budget_bytes), config.adapter_roots

@@ -20,6 +20,7 @@ from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.admin import create_admin_server
 from ..rpc.interceptors import RpcObserver
+from ..rpc.requests import RequestGuard
 from .addresses import Address, default_socket_path, parse_address
 from .security import TlsMaterial
 
@@ -91,7 +92,7 @@ def health_server(servicer: health.HealthServicer, observer: RpcObserver) -> grp
     """A plaintext gRPC server with only grpc.health.v1: what kubelet gRPC probes can reach."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightd-health"),
-        interceptors=[observer],
+        interceptors=[observer, RequestGuard()],
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4 << 10)],
         maximum_concurrent_rpcs=16,
     )

@@ -45,6 +45,7 @@ from ..base.errors import (
     ShardingError,
     TensorNotFound,
     TensorNotInLayout,
+    echo,
 )
 from ..checkpoint.description import Checkpoint
 from ..store.runs import whole_pattern
@@ -118,9 +119,9 @@ def plan(
         seen: set[str] = set()
         for n in names:
             if n not in ckpt.tensors:
-                raise TensorNotFound(f"model {ckpt.name!r} has no tensor {n!r}")
+                raise TensorNotFound(f"model {ckpt.name!r} has no tensor {echo(n)}")
             if n in seen:
-                raise InvalidRequest(f"tensor {n!r} is requested twice")
+                raise InvalidRequest(f"tensor {echo(n)} is requested twice")
             seen.add(n)
     if layout.is_trivial:
         chosen = [ckpt.tensors[n] for n in names] if names else list(ckpt.tensors.values())

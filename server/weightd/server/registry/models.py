@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ..base.cleanup import on_error
-from ..base.errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady
+from ..base.errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady, echo
 from ..checkpoint.description import Checkpoint
 from ..plan.builtin_rules import rules_for
 from ..plan.layout import Layout
@@ -244,7 +244,7 @@ class ModelRegistry:
             if loading:
                 raise ModelNotReady(f"model {name!r} is still being verified")
             raise ModelNotFound(
-                f"model {name!r} is not served here (serving: {', '.join(self.names())})"
+                f"model {echo(name)} is not served here (serving: {', '.join(self.names())})"
             )
         if model.broken is not None:
             raise DataIntegrityError(f"model {name!r} is not served until reloaded: {model.broken}")

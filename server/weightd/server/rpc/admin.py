@@ -21,6 +21,7 @@ from ..registry.loading import Reloader
 from .adapters import Adapters
 from .guards import AdminAuthorizer
 from .interceptors import RpcObserver
+from .requests import RequestGuard
 from .status import unary
 
 log = logging.getLogger("weightd.admin")
@@ -87,7 +88,7 @@ def create_admin_server(
     """A small gRPC server carrying only the Admin service (ports are added by the caller)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightd-admin"),
-        interceptors=[observer, AdminAuthorizer(allowed)],
+        interceptors=[observer, RequestGuard(), AdminAuthorizer(allowed)],
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10)],
         maximum_concurrent_rpcs=4,
     )

@@ -37,6 +37,7 @@ from ..adapters.packing import (
     build_adapter_pack,
 )
 from ..adapters.service import AdapterService, check_tp_only
+from ..base.bounds import check_fields
 from ..base.cleanup import release_frames
 from ..base.errors import (
     AdapterNotFound,
@@ -164,6 +165,7 @@ class PackService:
         """Answer one request; every failure becomes a LocalError, never an exception."""
         which = request.WhichOneof("request")
         try:
+            check_fields(request)  # the same bounds as every gRPC request
             if which == "acquire":
                 return self._acquire(request.acquire)
             if which == "attach":
