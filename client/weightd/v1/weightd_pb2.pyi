@@ -316,6 +316,36 @@ class TensorDescription(_message.Message):
 Global___TensorDescription: _TypeAlias = TensorDescription  # noqa: Y015
 
 @_typing.final
+class FileDigest(_message.Message):
+    """One file the daemon read from a model directory (and verified before serving)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """relative to the model directory: "config.json", the index, a shard"""
+    size: _builtins.int
+    """bytes, as verified"""
+    sha256: _builtins.str
+    """lowercase hex of the whole file; "" when the daemon did not hash it"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        size: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileDigest: _TypeAlias = FileDigest  # noqa: Y015
+
+@_typing.final
 class ModelDescription(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -324,13 +354,28 @@ class ModelDescription(_message.Message):
     CONFIG_JSON_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
+    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     architecture: _builtins.str
     config_json: _builtins.str
     """the model's config.json, verbatim"""
     total_bytes: _builtins.int
+    model_fingerprint: _builtins.str
+    """Identity of the served content: the same value as FetchResponse.model_fingerprint
+    (config and every verified tensor digest). "" from a daemon that predates the field.
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorDescription]: ...
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileDigest]:
+        """Every file the daemon read from the model directory: config.json and the index
+        (always with their SHA-256) and each shard (SHA-256 only when the daemon hashed
+        whole files, e.g. to compare with a manifest or Hugging Face cache blob names).
+        Empty from a daemon that predates the field. Lets a client prove that a local
+        copy of the checkpoint (vLLM's model directory) is the one being served.
+        """
+
     def __init__(
         self,
         *,
@@ -339,10 +384,12 @@ class ModelDescription(_message.Message):
         config_json: _builtins.str = ...,
         tensors: _abc.Iterable[Global___TensorDescription] | None = ...,
         total_bytes: _builtins.int = ...,
+        files: _abc.Iterable[Global___FileDigest] | None = ...,
+        model_fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "config_json", b"config_json", "name", b"name", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "config_json", b"config_json", "files", b"files", "model_fingerprint", b"model_fingerprint", "name", b"name", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
