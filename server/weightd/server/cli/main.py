@@ -216,13 +216,10 @@ def _serve(args: argparse.Namespace) -> int:
     from ..daemon.assembly import ServeConfig, serve
     from ..transports.options import from_arguments
     from .demo import DEMO_NAME, ensure_demo_checkpoint
+    from .preflight import check_serve
 
     models: list[tuple[str | None, str]] = args.model or []
-    if not models:
-        path = ensure_demo_checkpoint(_cache_dir(args.cache_dir))
-        log.info("no --model given: serving the built-in demo checkpoint at %s", path)
-        models = [(DEMO_NAME, path)]
-    names = [name or os.path.basename(os.path.realpath(d)) for name, d in models]
+    names = [name or os.path.basename(os.path.realpath(d)) for name, d in models] or [DEMO_NAME]
     verify = serve_verify_options(args, names, _cache_dir(args.cache_dir))
     config = ServeConfig(
         models=models,
@@ -248,6 +245,13 @@ def _serve(args: argparse.Namespace) -> int:
         watch_seconds=args.watch_interval,
         adapter_budget_bytes=args.adapter_budget_bytes,
     )
+    # Everything named on the command line is checked before a socket is bound or a
+    # line logged: a typo is one line, and leaves no socket directory behind.
+    check_serve(config, names)
+    if not models:
+        path = ensure_demo_checkpoint(_cache_dir(args.cache_dir))
+        log.info("no --model given: serving the built-in demo checkpoint at %s", path)
+        config.models = [(DEMO_NAME, path)]
     return serve(config)
 
 

@@ -1,0 +1,78 @@
+"""The CLI as a careless user meets it (issue #15), out of process.
+
+Start-up mistakes are one line with nothing bound.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import weightd_command
+
+pytestmark = pytest.mark.e2e
+
+
+def _weightd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        weightd_command(*args), capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def _lines(done: subprocess.CompletedProcess[str]) -> list[str]:
+    return (done.stdout + done.stderr).splitlines()
+
+
+# --- item 13: start-up failures are one line, before anything is bound -----------------
+
+
+def _serve_case(case: str, tmp: Path) -> tuple[list[str], str]:
+    """Arguments for ``weightd serve`` that must fail, and the path the line must name."""
+    missing = str(tmp / "missing")
+    a_file = tmp / "a-file"
+    a_file.write_text("not a directory\n")
+    bad_json = tmp / "bad.json"
+    bad_json.write_text("{not json")
+    cases: dict[str, tuple[list[str], str]] = {
+        "model-missing": (["--model", missing], missing),
+        "model-not-a-directory": (["--model", str(a_file)], str(a_file)),
+        "rules-missing": (["--rules", missing], missing),
+        "rules-bad": (["--rules", str(bad_json)], str(bad_json)),
+        "manifest-missing": (["--manifest", missing], missing),
+        "trust-key-missing": (["--manifest", str(bad_json), "--trust-key", missing], missing),
+        "tls-cert-missing": (
+            ["--tls-cert", missing, "--tls-key", missing, "--admin-listen", "none"],
+            missing,
+        ),
+        "adapter-root-missing": (["--adapter-root", missing], missing),
+        "grace-negative": (["--grace", "-1"], "--grace"),
+    }
+    return cases[case]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "model-missing",
+        "model-not-a-directory",
+        "rules-missing",
+        "rules-bad",
+        "manifest-missing",
+        "trust-key-missing",
+        "tls-cert-missing",
+        "adapter-root-missing",
+        "grace-negative",
+    ],
+)
+def test_serve_refuses_bad_arguments_in_one_line_before_binding(tmp_path: Path, case: str) -> None:
+    args, named = _serve_case(case, tmp_path)
+    run = tmp_path / "run"
+    env = dict(os.environ, WEIGHTD_CACHE_DIR=str(tmp_path / "cache"))
+    done = _weightd("serve", "--listen", f"unix://{run}/w.sock", *args, env=env)
+    assert done.returncode == 1, done.stderr
+    (line,) = _lines(done)  # exactly one line: no INFO lines before it, no traceback
+    assert line.startswith("weightd serve: error: ") and named in line, line
+    assert not run.exists()  # no socket, no lock file, not even the socket's directory
