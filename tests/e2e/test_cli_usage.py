@@ -1,17 +1,19 @@
 """The CLI as a careless user meets it (issue #15), out of process.
 
-Start-up mistakes are one line with nothing bound.
+Start-up mistakes are one line with nothing bound; the demo checkpoint has one name
+however it is given.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import weightd_command
+from tests.conftest import RunningDaemon, run_daemon, weightd_command
 
 pytestmark = pytest.mark.e2e
 
@@ -76,3 +78,24 @@ def test_serve_refuses_bad_arguments_in_one_line_before_binding(tmp_path: Path, 
     (line,) = _lines(done)  # exactly one line: no INFO lines before it, no traceback
     assert line.startswith("weightd serve: error: ") and named in line, line
     assert not run.exists()  # no socket, no lock file, not even the socket's directory
+
+
+# --- item 17: the client commands ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """A daemon serving the demo checkpoint by directory, with no NAME= (default name)."""
+    from weightd.server.cli.demo import ensure_demo_checkpoint
+
+    tmp = tmp_path_factory.mktemp("cli")
+    demo = ensure_demo_checkpoint(str(tmp / "cache"))
+    with run_daemon(tmp, [], ["--model", demo]) as daemon:
+        yield daemon
+
+
+def test_model_named_by_its_directory_has_the_demo_name(demo_daemon: RunningDaemon) -> None:
+    """``serve --model DIR`` on the demo checkpoint serves it as ``serve`` alone does."""
+    done = _weightd("list", demo_daemon.target)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\t")[0] == "llama-demo"
