@@ -1,13 +1,15 @@
 """The CLI as a careless user meets it (issue #15), out of process.
 
 Start-up mistakes are one line with nothing bound; the demo checkpoint has one name
-however it is given.
+however it is given; commands that make no tensors do not import torch.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,3 +101,34 @@ def test_model_named_by_its_directory_has_the_demo_name(demo_daemon: RunningDaem
     done = _weightd("list", demo_daemon.target)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\t")[0] == "llama-demo"
+
+
+@pytest.mark.parametrize("command", ["list", "describe", "health"])
+def test_metadata_commands_do_not_import_torch(demo_daemon: RunningDaemon, command: str) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from weightd.server.cli.main import main
+        status = main([{command!r}, {demo_daemon.target!r}])
+        print("torch" in sys.modules, "numpy" in sys.modules, file=sys.stderr)
+        sys.exit(status)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "llama-demo" in done.stdout or "SERVING" in done.stdout
+    assert done.stderr.splitlines()[-1] == "False False", done.stderr
+
+
+def test_fetch_still_makes_tensors(demo_daemon: RunningDaemon, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    out = tmp_path / "r1.safetensors"
+    done = _weightd(
+        "fetch", demo_daemon.target, "--rank", "1", "--world-size", "2", "--out", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    with safe_open(str(out), "pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").shape == (128, 256)
