@@ -1,7 +1,9 @@
 """The CLI as a careless user meets it (issue #15), out of process.
 
 Start-up mistakes are one line with nothing bound; the demo checkpoint has one name
-however it is given; commands that make no tensors do not import torch.
+however it is given; client commands understand a bare socket path, say "no daemon"
+plainly, tell the daemon's NOT_FOUND from no daemon, and do not import torch unless
+they make tensors.
 """
 
 from __future__ import annotations
@@ -132,3 +134,52 @@ def test_fetch_still_makes_tensors(demo_daemon: RunningDaemon, tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     with safe_open(str(out), "pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").shape == (128, 256)
+
+
+def test_a_bare_socket_path_is_the_unix_socket(demo_daemon: RunningDaemon) -> None:
+    path = demo_daemon.target.removeprefix("unix://")
+    done = _weightd("list", path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("llama-demo\t")
+
+
+@pytest.mark.parametrize("spelled", ["unix://{}", "{}"])
+def test_a_missing_socket_says_no_daemon(tmp_path: Path, spelled: str) -> None:
+    sock = tmp_path / "nobody.sock"
+    for command in ("list", "describe"):
+        done = _weightd(command, spelled.format(sock))
+        assert done.returncode == 1
+        (line,) = _lines(done)
+        assert f"no daemon at unix://{sock}" in line and "running?" in line, line
+        assert "connect failed" not in line and "DNS" not in line
+
+
+def test_a_dead_socket_says_nothing_answers(tmp_path: Path) -> None:
+    """A socket file nobody listens on (a daemon that died): refused, said plainly."""
+    import socket
+
+    sock = tmp_path / "dead.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(sock))
+    s.close()
+    done = _weightd("list", f"unix://{sock}")
+    assert done.returncode == 1
+    (line,) = _lines(done)
+    assert f"no daemon answering at unix://{sock}" in line and "running" in line, line
+
+
+def test_health_of_an_unknown_service_is_the_daemons_not_found(
+    demo_daemon: RunningDaemon,
+) -> None:
+    done = _weightd("health", demo_daemon.target, "--service", "weightd.v1.Weights/nope")
+    assert done.returncode == 1
+    assert "NOT_FOUND (the daemon answered" in done.stdout, done.stdout
+    assert "UNREACHABLE" not in done.stdout
+    ok = _weightd("health", demo_daemon.target, "--service", "weightd.v1.Weights/llama-demo")
+    assert ok.returncode == 0 and ok.stdout.rstrip().endswith(": SERVING"), ok.stdout
+
+
+def test_health_without_a_daemon_is_unreachable(tmp_path: Path) -> None:
+    done = _weightd("health", str(tmp_path / "nobody.sock"))
+    assert done.returncode == 1
+    assert "UNREACHABLE (no daemon at unix://" in done.stdout, done.stdout
