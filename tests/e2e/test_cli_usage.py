@@ -2,8 +2,8 @@
 
 Start-up mistakes are one line with nothing bound; the demo checkpoint has one name
 however it is given; client commands understand a bare socket path, say "no daemon"
-plainly, tell the daemon's NOT_FOUND from no daemon, and do not import torch unless
-they make tensors.
+plainly, tell the daemon's NOT_FOUND from no daemon, keep quiet when their reader
+goes away, and do not import torch unless they make tensors.
 """
 
 from __future__ import annotations
@@ -183,3 +183,32 @@ def test_health_without_a_daemon_is_unreachable(tmp_path: Path) -> None:
     done = _weightd("health", str(tmp_path / "nobody.sock"))
     assert done.returncode == 1
     assert "UNREACHABLE (no daemon at unix://" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("args", [["describe"], ["describe", "--json"], ["list"]])
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_closed_pipe_ends_quietly(
+    demo_daemon: RunningDaemon, args: list[str], buffered: bool
+) -> None:
+    """``weightd describe ... | head`` when ``head`` has gone: no message, SIGPIPE's status.
+
+    Buffered (the default for a pipe), the write fails only when the output is flushed.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first byte is written
+    try:
+        done = subprocess.run(
+            weightd_command(*args, demo_daemon.target),
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == ""
+    assert done.returncode == 141
