@@ -1,13 +1,13 @@
-"""The CLI as a careless user meets it (issue #15), out of process.
+"""The CLI as a careless user meets it (issue #15, items 13 and 17), out of process.
 
-Start-up mistakes are one line with nothing bound; the demo checkpoint has one name
-however it is given; client commands understand a bare socket path, say "no daemon"
-plainly, tell the daemon's NOT_FOUND from no daemon, keep quiet when their reader
-goes away, and do not import torch unless they make tensors.
+Start-up mistakes are one line with nothing bound; client commands understand a bare
+socket path, say "no daemon" plainly, tell the daemon's NOT_FOUND from no daemon, keep
+quiet when their reader goes away, and do not import torch unless they make tensors.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RunningDaemon, run_daemon, weightd_command
+from tests.trust import craft
 
 pytestmark = pytest.mark.e2e
 
@@ -212,3 +213,28 @@ def test_a_closed_pipe_ends_quietly(
         os.close(write)
     assert done.stderr == ""
     assert done.returncode == 141
+
+
+def test_verify_with_a_bad_signature_does_not_say_none_given(tmp_path: Path) -> None:
+    model = craft.write_checkpoint(tmp_path / "m")
+    key, pub = tmp_path / "k", tmp_path / "k.pub"
+    assert (
+        _weightd(
+            "manifest", "keygen", "--out-private", str(key), "--out-public", str(pub)
+        ).returncode
+        == 0
+    )
+    manifest = tmp_path / "manifest.json"
+    made = _weightd("manifest", "create", str(model), "--sign-key", str(key), "-o", str(manifest))
+    assert made.returncode == 0, made.stderr
+    doc = json.loads(manifest.read_text())
+    name = sorted(doc["tensors"])[0]
+    doc["tensors"][name]["shape"] = [*doc["tensors"][name]["shape"], 1]  # tampered
+    manifest.write_text(json.dumps(doc))
+    done = _weightd("verify", str(model), "--manifest", str(manifest), "--trust-key", str(pub))
+    assert done.returncode == 1
+    assert any(line.startswith("problem:") and "signature" in line for line in _lines(done))
+    assert "none given" not in done.stdout, done.stdout
+    assert "trust      NOT ESTABLISHED" in done.stdout
+    plain = _weightd("verify", str(model))  # and with no trust asked for, it says so
+    assert plain.returncode == 0 and "trust      none given" in plain.stdout
