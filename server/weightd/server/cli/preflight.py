@@ -38,9 +38,8 @@ def check_serve(config: ServeConfig, model_names: list[str]) -> None:
     _check_numbers(config)
     _check_listeners(config)
     _check_models(config, model_names)
-    with _flag("--rules"):
-        for path in config.rules_files:
-            load_rules_file(path)
+    for path in config.rules_files:
+        load_rules_file(path)  # its errors name the file and the rule, as serve's did
     with _flag("--trust-key"):
         for path in config.verify.trust_keys:
             load_public_key(path)
