@@ -96,5 +96,8 @@ if [ "${1:-}" = "--once" ]; then
 fi
 echo
 echo "weightd is serving the demo checkpoint on $target (Ctrl-C to stop)."
+# Polled, not one long `wait`: a signal that lands just before bash blocks in wait(2)
+# would not run its trap until the daemon exited by itself.
+while kill -0 "$daemon" 2>/dev/null; do sleep 0.5; done
 wait "$daemon" || daemon_status=$?
 reaped=1

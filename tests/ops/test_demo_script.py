@@ -8,7 +8,9 @@ interpreter instead of setting up ``.venv`` (the set-up has its own test).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -124,7 +126,9 @@ def test_one_ctrl_c_drains_and_exits_zero(short_tmp: Path, demo_cache: Path) -> 
         start_new_session=True,  # setsid: its own process group, as a terminal's job
     )
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")))
+    reader = threading.Thread(
+        target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True
+    )
     reader.start()
     try:
         deadline = time.monotonic() + 300
@@ -133,11 +137,18 @@ def test_one_ctrl_c_drains_and_exits_zero(short_tmp: Path, demo_cache: Path) -> 
             assert time.monotonic() < deadline, "".join(lines)
             time.sleep(0.2)
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: the whole group
-        assert process.wait(120) == 0, "".join(lines)
+        try:
+            status = process.wait(300)
+        except subprocess.TimeoutExpired:
+            pytest.fail("still running 300 s after SIGINT:\n" + "".join(lines))
+        assert status == 0, "".join(lines)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        for pid in re.findall(r" start pid=(\d+) ", "".join(lines)):
+            with contextlib.suppress(ProcessLookupError):  # the daemon has its own group
+                os.kill(int(pid), signal.SIGKILL)
         reader.join(30)
     out = "".join(lines)
     assert "exit status=0 aborted=false" in out, out
