@@ -23,6 +23,7 @@ from ..rpc.interceptors import RpcObserver
 from ..rpc.requests import RequestGuard
 from .addresses import Address, default_socket_path, parse_address
 from .security import TlsMaterial
+from .sockets import restrict_socket
 
 ADMIN_SOCKET_NAME = "admin.sock"
 
@@ -62,8 +63,19 @@ def host_port(text: str) -> tuple[str, int]:
     return address.host, address.port
 
 
-def bind(server: grpc.Server, address: Address, tls: TlsMaterial | None, what: str) -> Address:
-    """Add ``address`` to ``server`` (TLS when ``tls`` and TCP); the bound address."""
+def bind(
+    server: grpc.Server,
+    address: Address,
+    tls: TlsMaterial | None,
+    what: str,
+    *,
+    group: bool = False,
+) -> Address:
+    """Add ``address`` to ``server`` (TLS when ``tls`` and TCP); the bound address.
+
+    A Unix socket is created by the bind with the umask's mode; it is set at once
+    (0600, 0660 with ``group``) so a umask of 000 never leaves it 0777.
+    """
     try:
         if tls is not None and address.kind == "tcp":
             port = server.add_secure_port(address.grpc_target, tls.server_credentials())
@@ -76,6 +88,7 @@ def bind(server: grpc.Server, address: Address, tls: TlsMaterial | None, what: s
         ) from None
     if address.kind == "tcp":
         return Address("tcp", host=address.host, port=port)
+    restrict_socket(address.path, group=group)
     return address
 
 
