@@ -174,8 +174,14 @@ def _add_ops_args(s: argparse.ArgumentParser) -> None:
         "--max-stream-seconds",
         type=float,
         default=3600.0,
-        help="cancel a Fetch stream running longer than this, whatever the client's deadline "
-        "(0: no cap)",
+        help="end any server stream (Fetch, FetchAdapter, watches) running longer than this, "
+        "whatever the client's deadline (0: no cap)",
+    )
+    s.add_argument(
+        "--stream-idle-seconds",
+        type=float,
+        default=60.0,
+        help="cancel a server stream whose client has taken no message for this long (0: off)",
     )
 
 
@@ -241,6 +247,7 @@ def _serve(args: argparse.Namespace) -> int:
         health_listen=args.health_listen,
         reflection=args.reflection,
         max_stream_seconds=args.max_stream_seconds,
+        stream_idle_seconds=args.stream_idle_seconds,
         rules_files=args.rules,
         verify=verify,
         local=from_arguments(args),

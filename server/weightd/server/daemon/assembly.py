@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
@@ -26,9 +25,10 @@ from ..registry.filewatch import DEFAULT_INTERVAL_SECONDS, ShardWatcher
 from ..registry.loading import Reloader, load_observed
 from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters
-from ..rpc.guards import AdminGate, FetchGuard, StreamWatchdog
+from ..rpc.guards import AdminGate
 from ..rpc.interceptors import InflightTracker, RpcObserver
 from ..rpc.requests import RequestGuard
+from ..rpc.streams import DEFAULT_IDLE_SECONDS, StreamBounds, StreamWatchdog
 from ..rpc.weights import WeightsService, add_weights_service
 from ..rpc.wire import DEFAULT_CHUNK_BYTES, WEIGHTS_SERVICE
 from ..telemetry import logs
@@ -63,7 +63,8 @@ class ServeConfig:
     listen: str
     #: Allow a TCP address that is not loopback without TLS. Off: weights stay local.
     insecure: bool = False
-    #: Worker threads for RPCs; each streaming fetch holds one for its duration.
+    #: Server streams (Fetch, FetchAdapter, watches) served at once; each holds a worker
+    #: thread for its duration. A few more threads stay free for unary calls.
     max_workers: int = 16
     #: RPCs beyond this many at once are answered RESOURCE_EXHAUSTED, not queued.
     max_concurrent_rpcs: int = 64
@@ -91,8 +92,10 @@ class ServeConfig:
     health_listen: str | None = None
     #: Serve gRPC server reflection (grpc.reflection.v1alpha) on the worker listener.
     reflection: bool = False
-    #: Longest a Fetch stream may run, whatever deadline the client set (0: no cap).
+    #: Longest any server stream may run, whatever deadline the client set (0: no cap).
     max_stream_seconds: float = 3600.0
+    #: A stream whose client has not taken a message for this long is cancelled (0: off).
+    stream_idle_seconds: float = DEFAULT_IDLE_SECONDS
     #: Trust sources, hash cache and hashing threads for loading (and reloading) models.
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     #: Same-host transports: shared-memory packs, pinned staging, CUDA IPC.
@@ -243,7 +246,12 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         metrics_registry.register(GpuMemoryCollector())
     tracker = InflightTracker()
     observer = RpcObserver(metrics, tracker, listeners.model_resolver(registry))
-    watchdog = StreamWatchdog(config.max_stream_seconds) if config.max_stream_seconds > 0 else None
+    watchdog = (
+        StreamWatchdog(config.max_stream_seconds, idle_seconds=config.stream_idle_seconds)
+        if config.max_stream_seconds > 0 or config.stream_idle_seconds > 0
+        else None
+    )
+    bounds = StreamBounds(watchdog, config.max_workers, "worker")
     locks: list[IO[str]] = []
     daemon: Daemon | None = None
 
@@ -262,12 +270,10 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             *config.extra_options,
         ]
         server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=config.max_workers, thread_name_prefix="weightd-rpc"
-            ),
+            listeners.worker_pool(config.max_workers),
             options=options,
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-            interceptors=[observer, RequestGuard(), AdminGate(), FetchGuard(watchdog)],
+            interceptors=[observer, RequestGuard(), AdminGate(), bounds],
         )
         adapter_service = AdapterService(
             registry, AdapterRegistry(config.adapter_budget_bytes), config.adapter_roots
@@ -323,11 +329,13 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             if admin_address.kind == "unix":
                 locks.append(prepare_unix_socket(admin_address.path))
             daemon.admin_server = listeners.admin_server(
-                daemon.reloader, observer, allowed, adapters
+                daemon.reloader, observer, allowed, adapters, watchdog
             )
             daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
         if config.health_listen is not None:
-            daemon.health_server = listeners.health_server(health_servicer, observer)
+            daemon.health_server = listeners.health_server(
+                health_servicer, observer, watchdog, bounds
+            )
             daemon.health_address = listeners.bind(
                 daemon.health_server, parse_address(config.health_listen), None, "health"
             )
