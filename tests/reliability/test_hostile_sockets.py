@@ -121,3 +121,22 @@ def test_with_umask_000_every_socket_is_0600_in_a_0700_directory(
         "weightd.sock.lock": 0o600,
         "admin.sock.lock": 0o600,
     }, {k: f"{v:04o}" for k, v in modes.items()}
+
+
+def test_group_access_makes_worker_sockets_0660_and_keeps_admin_0600(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir(mode=0o750)  # accepted only because group access was asked for
+    run.chmod(0o750)
+    with run_daemon(tmp_path, [("demo", demo_model)], ["--socket-group-access"]) as daemon:
+        modes = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in run.iterdir()}
+        with WeightClient(daemon.target, timeout=60) as client:
+            assert client.list_models()
+    assert stat.S_IMODE(run.stat().st_mode) == 0o750
+    assert modes["weightd.sock"] == 0o660
+    assert modes["weightd.sock.local"] == 0o660
+    assert modes["admin.sock"] == 0o600  # admin is never shared with the group
+    # Without the flag the same directory is refused: group access must be asked for.
+    out = _refused(demo_model, run / "weightd.sock")
+    assert "has mode 0750: open to other users" in out

@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
         f"(default: unix://{default_socket_path()})",
     )
     s.add_argument(
+        "--socket-group-access",
+        action="store_true",
+        help="worker and side sockets 0660 in a 0750 directory, so members of the daemon's "
+        "group may connect (default: 0600 in 0700, this user only; admin stays 0600)",
+    )
+    s.add_argument(
         "--insecure",
         action="store_true",
         help="allow TCP without TLS (logged loudly; off loopback, weights cross the network "
@@ -234,6 +240,7 @@ def _serve(args: argparse.Namespace) -> int:
         models=models,
         listen=args.listen or f"unix://{default_socket_path()}",
         insecure=args.insecure,
+        socket_group_access=args.socket_group_access,
         max_workers=args.max_workers,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         chunk_bytes=args.chunk_bytes,

@@ -92,6 +92,9 @@ class ServeConfig:
     health_listen: str | None = None
     #: Serve gRPC server reflection (grpc.reflection.v1alpha) on the worker listener.
     reflection: bool = False
+    #: Worker and side sockets 0660 in a 0750 directory (members of the daemon's group may
+    #: connect) instead of 0600 in 0700. The admin socket stays 0600.
+    socket_group_access: bool = False
     #: Longest any server stream may run, whatever deadline the client set (0: no cap).
     max_stream_seconds: float = 3600.0
     #: A stream whose client has not taken a message for this long is cancelled (0: off).
@@ -263,7 +266,8 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
                 held.close()
 
     with on_error(undo, "the half-built daemon"):
-        lock = prepare_unix_socket(address.path) if address.kind == "unix" else None
+        group = config.socket_group_access
+        lock = prepare_unix_socket(address.path, group=group) if address.kind == "unix" else None
         options = [
             ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
             ("grpc.max_receive_message_length", 1 << 20),  # requests are small
@@ -312,10 +316,10 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             daemon.watcher = ShardWatcher(
                 registry, daemon.reloader, config.watch_seconds, metrics_registry
             )
-        daemon.address = listeners.bind(server, address, tls, "worker")
+        daemon.address = listeners.bind(server, address, tls, "worker", group=group)
         if address.kind == "unix" and config.local.enabled:
             daemon.local = start_local_server(
-                address.path, registry, config.local, driver, adapter_service
+                address.path, registry, config.local, driver, adapter_service, group=group
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)
@@ -327,7 +331,8 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             log.warning("%s", warning)
         if admin_address is not None:
             if admin_address.kind == "unix":
-                locks.append(prepare_unix_socket(admin_address.path))
+                shared = os.path.dirname(admin_address.path) == os.path.dirname(address.path)
+                locks.append(prepare_unix_socket(admin_address.path, group=group and shared))
             daemon.admin_server = listeners.admin_server(
                 daemon.reloader, observer, allowed, adapters, watchdog
             )

@@ -73,12 +73,14 @@ class LocalServer:
         *,
         request_timeout: float = REQUEST_TIMEOUT_SECONDS,
         max_pending: int = MAX_PENDING,
+        socket_mode: int = 0o600,
     ) -> None:
         self.path = path
         self.service = service
         self.max_connections = max_connections
         self.request_timeout = request_timeout
         self.max_pending = max_pending
+        self.socket_mode = socket_mode
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._pending = 0
@@ -104,7 +106,7 @@ class LocalServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             listener.bind(self.path)
-            os.chmod(self.path, 0o600)
+            os.chmod(self.path, self.socket_mode)  # not the umask's
             listener.listen(128)
         except OSError as exc:
             listener.close()
@@ -232,14 +234,18 @@ def start_local_server(
     config: LocalConfig,
     driver: CudaDriver | None,
     adapters: AdapterService | None = None,
+    *,
+    group: bool = False,
 ) -> LocalServer:
-    """The side socket for a daemon listening on ``grpc_socket_path``, started."""
+    """The side socket for a daemon listening on ``grpc_socket_path``, started
+    (0600, or 0660 with ``group``: the gRPC socket's mode)."""
     service = PackService(registry, config, driver, adapters)
     server = LocalServer(
         grpc_socket_path + LOCAL_SOCKET_SUFFIX,
         service,
         config.max_connections,
         request_timeout=config.request_seconds,
+        socket_mode=0o660 if group else 0o600,
     )
     server.start()
     return server
