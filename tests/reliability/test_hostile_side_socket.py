@@ -154,7 +154,7 @@ def test_past_the_last_slot_the_client_reports_the_daemons_reason(
             pytest.fail("the side socket never freed its slots")
 
 
-def test_send_frame_is_still_usable_by_a_client(daemon: RunningDaemon) -> None:
+def test_a_well_behaved_raw_exchange_still_gets_its_answer(daemon: RunningDaemon) -> None:
     """A well-behaved exchange over a raw socket still gets its answer."""
     sock = _connect(daemon)
     try:
