@@ -182,7 +182,7 @@ class LocalServer:
             del got
             outcome = self.service.handle(request)
             lease = outcome.lease
-            conn.settimeout(self.request_timeout)  # the answer is small; a reader takes it
+            conn.settimeout(self.request_timeout)  # the whole answer (sendall), however big
             send_frame(conn, outcome.response.SerializeToString(), outcome.fds)
             if lease is None:
                 return
