@@ -48,3 +48,15 @@ def test_sdk_failures_become_typed_errors(exc: BaseException, cls: type, needle:
 
 def test_other_exceptions_are_not_claimed() -> None:
     assert classify(ValueError("x"), URI, None) is None
+
+
+def test_the_sdk_never_logs_requests_whatever_the_daemon_level() -> None:
+    import logging
+
+    from weightd.server.sources.s3 import S3Settings, make_client
+
+    logging.getLogger("botocore").setLevel(logging.DEBUG)
+    client = make_client(S3Settings(endpoint="http://127.0.0.1:1"))
+    assert client.meta.endpoint_url == "http://127.0.0.1:1"
+    for name in ("boto3", "botocore", "urllib3"):
+        assert logging.getLogger(name).getEffectiveLevel() >= logging.WARNING, name

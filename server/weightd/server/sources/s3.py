@@ -13,6 +13,7 @@ Nothing here logs a request, a header or a credential; error messages name the
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -99,6 +100,10 @@ def make_client(settings: S3Settings) -> Any:
         from botocore.config import Config
     except ImportError:
         raise UsageError("s3:// sources need boto3: pip install 'weightd[s3]'") from None
+    # botocore's DEBUG records carry request headers (the Authorization line names the
+    # access key id): whatever --log-level says, the SDK's own loggers stay at WARNING.
+    for name in ("boto3", "botocore", "s3transfer", "urllib3"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     config = Config(
         retries={"mode": "standard", "max_attempts": settings.max_attempts},
         connect_timeout=settings.connect_timeout,
