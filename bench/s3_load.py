@@ -18,7 +18,8 @@ downloaded) is uploaded once, with its manifest. Each round, in turn:
 Bytes fetched are what each one received from the store (weightd: its own counter;
 the others: the objects' sizes, which they read whole). Usage:
 ``python bench/s3_load.py [--dir /tmp/weightd-bench-s3] [--repeat 3] [--layers 10]``.
-Results go to stdout and bench/results/s3_load.json.
+Results go to stdout and bench/results/s3_load.json. Needs the ``[s3]`` extra and, for
+the streamer, ``pip install 'weightd[bench]'`` (``--skip-runai`` runs without it).
 """
 
 from __future__ import annotations
