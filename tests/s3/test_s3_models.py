@@ -313,6 +313,9 @@ def test_reload_follows_the_store_and_other_models_keep_serving(
     v2 = write_blob_model(tmp_path / "v2", 1, seed=2)
     bucket = seaweed.bucket()
     seaweed.upload_dir(v1, bucket, "blob/")
+    # Hostile names in the bucket: never written to the cache, never served.
+    for key in ("blob/nested/evil.json", "blob/.hidden.json", "blob/notes.txt"):
+        seaweed.client().put_object(Bucket=bucket, Key=key, Body=b"{}")
     _env(monkeypatch, seaweed)
     models = [("blob", f"s3://{bucket}/blob/"), ("local", transformers_models["llama"])]
     extra = ["--s3-endpoint", seaweed.endpoint, "--trust-object-store"]
@@ -320,6 +323,8 @@ def test_reload_follows_the_store_and_other_models_keep_serving(
         admin = AdminClient(f"unix://{tmp_path / 'run' / 'admin.sock'}", timeout=60)
         with WeightClient(d.target, timeout=60) as client:
             _same(client.fetch(0, 1, model="blob"), load_file(str(v1 / "model.safetensors")))
+            cached = {p.name for p in (tmp_path / "cache").glob("sources/*/v-*/*")}
+            assert cached == {"config.json", "model.safetensors"}
             seaweed.client().delete_object(Bucket=bucket, Key="blob/model.safetensors")
             with pytest.raises(Exception, match=r"model\.safetensors"):
                 admin.reload("blob")  # a file gone from the store: the old version serves

@@ -3,6 +3,8 @@ version fingerprints and the failure-reason table."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from weightd.server.base import errors
@@ -154,3 +156,20 @@ def test_store_errors_carry_codes_that_say_who_can_fix_them() -> None:
     assert errors.ObjectChanged("u", "p").code is errors.Code.ABORTED
     assert errors.ObjectTruncated("u", "p").code is errors.Code.DATA_LOSS
     assert str(errors.ObjectChanged("s3://m/x", "p")) == "s3://m/x: p"
+
+
+def test_prune_keeps_the_newest_versions_and_every_one_handed_out(tmp_path: Path) -> None:
+    import os
+
+    from weightd.server.sources.cache import SourceDir
+
+    for i, name in enumerate(["v-a", "v-b", "v-c", "v-d", "v-e.partial"]):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, ns=(i * 10**9, i * 10**9))
+    SourceDir(str(tmp_path)).prune({str(tmp_path / "v-a")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v-a", "v-c", "v-d", "v-e.partial"]
+
+
+def test_too_large_objects_have_their_own_reason() -> None:
+    assert source_failure_reason(errors.ObjectTooLarge("s3://m/x.json", "big")) == "too_large"
+    assert errors.ObjectTooLarge("u", "p").code is errors.Code.FAILED_PRECONDITION

@@ -440,6 +440,13 @@ class ObjectTruncated(ObjectStoreError):
     code = Code.DATA_LOSS
 
 
+class ObjectTooLarge(ObjectStoreError):
+    """An object is larger than weightd accepts for what it is (a JSON file of a model
+    directory without a manifest pinning its size): never downloaded."""
+
+    code = Code.FAILED_PRECONDITION
+
+
 class RemoteTrustError(WeightdError):
     """A remote source was named without a trust root: an object store is not one, so a
     manifest (or an explicit ``--trust-object-store``) is required."""

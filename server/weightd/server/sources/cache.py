@@ -143,8 +143,9 @@ class SourceDir:
     def discard(self, directory: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
-    def publish(self, fp: str, directory: str) -> str:
-        """Rename a finished partial directory to its version name; prune old versions."""
+    def publish(self, fp: str, directory: str, keep: Sequence[str] = ()) -> str:
+        """Rename a finished partial directory to its version name; prune old versions
+        except ``keep`` (directories this daemon handed out: one may be serving)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, JOURNAL))
         _fsync_dir(directory)
@@ -153,17 +154,18 @@ class SourceDir:
             shutil.rmtree(final)
         os.rename(directory, final)
         _fsync_dir(self.path)
-        self.prune(keep=fp)
+        self.prune({final, *keep})
         return final
 
-    def prune(self, keep: str) -> None:
+    def prune(self, keep: set[str]) -> None:
+        """Remove complete versions other than ``keep`` beyond the newest
+        :data:`KEEP_VERSIONS` (a version in ``keep`` is never removed)."""
         versions = [
-            e
+            os.path.join(self.path, e)
             for e in os.listdir(self.path)
-            if e.startswith(VERSION_PREFIX)
-            and not e.endswith(PARTIAL)
-            and e != VERSION_PREFIX + keep
+            if e.startswith(VERSION_PREFIX) and not e.endswith(PARTIAL)
         ]
-        versions.sort(key=lambda e: os.stat(os.path.join(self.path, e)).st_mtime_ns, reverse=True)
-        for old in versions[KEEP_VERSIONS - 1 :]:
-            shutil.rmtree(os.path.join(self.path, old), ignore_errors=True)
+        versions.sort(key=lambda p: os.stat(p).st_mtime_ns, reverse=True)
+        for old in versions[KEEP_VERSIONS:]:
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)

@@ -22,7 +22,8 @@ from concurrent import futures
 from dataclasses import dataclass
 from typing import Final
 
-from ..base.errors import ObjectTruncated, WeightdError
+from ..base.atomicio import write_error
+from ..base.errors import ObjectTruncated, StorageFullError, WeightdError
 from .journal import Journal, Range
 from .location import S3Location
 from .s3 import RemoteObject, S3Store
@@ -132,7 +133,10 @@ class Download:
                     uri, f"range [{start}, {end}) sent more than {end - start} bytes"
                 )
             self.throttle.take(len(piece))
-            _pwrite_all(f.fd, piece, offset)
+            try:
+                _pwrite_all(f.fd, piece, offset)
+            except OSError as exc:  # ENOSPC, EDQUOT, EIO: typed, naming the cache file
+                raise write_error(f.part_path, exc) from None
             offset += len(piece)
             with self._lock:
                 self.fetched += len(piece)
@@ -146,10 +150,30 @@ class Download:
 
     def _open(self, obj: RemoteObject, left: int) -> _File:
         part = os.path.join(self.directory, obj.name + PART_SUFFIX)
-        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        if os.fstat(fd).st_size != obj.size:
-            os.ftruncate(fd, obj.size)
+        try:
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise write_error(part, exc) from None
+        try:
+            if os.fstat(fd).st_size != obj.size:
+                os.ftruncate(fd, obj.size)
+        except OSError as exc:
+            os.close(fd)
+            raise write_error(part, exc) from None
         return _File(obj, fd, part, left)
+
+    def check_space(self) -> None:
+        """Refuse up front when the cache's file system cannot hold what is left to fetch
+        (files are sparse until written, so a full disk would otherwise show late)."""
+        needed = sum(b - a for o in self.objects for a, b in self.journal.missing(o))
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        if needed > free:
+            raise StorageFullError(
+                self.directory,
+                f"{needed} bytes still to download, {free} free on its file system; "
+                "nothing more was fetched",
+            )
 
     def _save(self, files: Sequence[_File]) -> None:
         for f in files:
@@ -172,6 +196,7 @@ class Download:
         """Fetch every missing range; raise the first failure (journal saved either way)."""
         files: list[_File] = []
         tasks: list[tuple[_File, Range]] = []
+        self.check_space()
         try:
             for obj in self.objects:
                 missing = self.journal.missing(obj)

@@ -36,6 +36,7 @@ from ..base.errors import (
     ManifestMismatchError,
     ManifestSyntaxError,
     ObjectNotFound,
+    ObjectTooLarge,
     ObjectTruncated,
     RemoteTrustError,
     UsageError,
@@ -57,6 +58,12 @@ _MODEL_FILE: Final = re.compile(r"^[^/]+\.(json|safetensors)$")
 #: The files an adapter directory holds (what adapters.load reads).
 ADAPTER_FILES: Final = ("adapter_config.json", "adapter_model.safetensors")
 _PLAIN_MD5: Final = re.compile(r'^"?([0-9a-f]{32})"?$')
+#: Largest ``.json`` downloaded without a manifest pinning its size (an index of a
+#: very large model is a few MiB; the local reader caps what it parses anyway).
+MAX_JSON_BYTES: Final = 64 << 20
+#: Version directories remembered per source as possibly serving (the current one, the
+#: one before it, and versions whose verification is still deciding).
+MAX_HANDED: Final = 4
 #: Seconds between two progress lines.
 PROGRESS_INTERVAL_S: Final = 5.0
 
@@ -154,6 +161,9 @@ class SourceResolver:
         self.metrics = metrics
         self._store: S3Store | None = None
         self._lock = threading.Lock()
+        #: Version directories handed out per source (newest last): a reload's prune
+        #: never removes one of them, since the model may still be serving from it.
+        self._handed: dict[str, list[str]] = {}
         self._retries_seen = 0
 
     @property
@@ -252,6 +262,13 @@ class SourceResolver:
                 )
             return [by_name[f] for f in sorted(manifest.files)]
         chosen = [o for o in listed if _MODEL_FILE.match(o.name)]
+        for o in chosen:
+            if o.name.endswith(".json") and o.size > MAX_JSON_BYTES:
+                raise ObjectTooLarge(
+                    location.object_uri(o.name),
+                    f"{o.size} bytes: larger than the {MAX_JSON_BYTES}-byte limit for a "
+                    "JSON file of a model directory; not downloaded",
+                )
         if "config.json" not in {o.name for o in chosen}:
             raise ObjectNotFound(
                 location.object_uri("config.json"),
@@ -343,6 +360,7 @@ class SourceResolver:
         with SourceDir.open(self.options.cache_dir, endpoint, location) as cache:
             warm = cache.complete(fp, objects)
             if warm is not None:
+                self._hand_out(cache.path, warm)
                 return warm, 0, "warm"
             directory, journal = cache.partial(fp, objects, settings.part_bytes)
             already = journal.done_bytes()
@@ -379,8 +397,16 @@ class SourceResolver:
             finally:
                 if self.metrics is not None:
                     self.metrics.bytes.labels(kind).inc(download.fetched)
-            final = cache.publish(fp, directory)
+            with self._lock:
+                keep = list(self._handed.get(cache.path, []))
+            final = cache.publish(fp, directory, keep)
+            self._hand_out(cache.path, final)
         return final, download.fetched, "resumed" if already else "downloaded"
+
+    def _hand_out(self, source_dir: str, directory: str) -> None:
+        with self._lock:
+            handed = [d for d in self._handed.get(source_dir, []) if d != directory]
+            self._handed[source_dir] = [*handed, directory][-MAX_HANDED:]
 
     def _check_file(
         self, location: S3Location, obj: RemoteObject, path: str, manifest: Manifest | None

@@ -217,6 +217,7 @@ _SOURCE_REASONS: Final[tuple[tuple[type[BaseException], str], ...]] = (
     (errors.ObjectStoreThrottled, "throttled"),
     (errors.ObjectChanged, "changed"),
     (errors.ObjectTruncated, "short_object"),
+    (errors.ObjectTooLarge, "too_large"),
     (errors.DigestMismatchError, "digest_mismatch"),
     (errors.ManifestError, "manifest"),
     (errors.SignatureError, "manifest"),
