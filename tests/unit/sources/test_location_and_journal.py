@@ -173,3 +173,18 @@ def test_prune_keeps_the_newest_versions_and_every_one_handed_out(tmp_path: Path
 def test_too_large_objects_have_their_own_reason() -> None:
     assert source_failure_reason(errors.ObjectTooLarge("s3://m/x.json", "big")) == "too_large"
     assert errors.ObjectTooLarge("u", "p").code is errors.Code.FAILED_PRECONDITION
+
+
+def test_progress_draws_a_bar_with_rate_and_eta_on_a_terminal() -> None:
+    import io
+
+    from weightd.server.sources.resolver import _Progress
+
+    p = _Progress("llama", "s3://m/llama/", already=0)
+    p.stream, p.tty = io.StringIO(), True
+    p.start -= 2.0  # two seconds in
+    p(1 << 30, 4 << 30)
+    p(4 << 30, 4 << 30)
+    out = p.stream.getvalue()
+    assert out.startswith("\rdownload llama [") and " 25.0% " in out and "ETA " in out
+    assert out.endswith("\n") and "100.0%" in out

@@ -24,11 +24,12 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TextIO
 
 from ..base.atomicio import write_atomic
 from ..base.errors import (
@@ -43,6 +44,7 @@ from ..base.errors import (
 )
 from ..telemetry import logs
 from ..telemetry.metrics import SourceMetrics, source_failure_reason
+from ..telemetry.progress import render_bar
 from ..trust.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from ..trust.signing import check_signature, load_public_key
 from ..trust.verify import VerifyOptions, read_operator_file
@@ -99,15 +101,22 @@ class _Progress:
         self.start = time.monotonic()
         self.already = already
         self.last = 0.0
+        self.stream: TextIO = sys.stderr
+        self.tty = self.stream.isatty()
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
-        if now - self.last < PROGRESS_INTERVAL_S and done < total:
-            return
-        self.last = now
         elapsed = now - self.start
         rate = (done - self.already) / elapsed if elapsed > 0 else 0.0
         eta = (total - done) / rate if rate > 0 else 0.0
+        if self.tty:  # a terminal: one redrawn line, as hashing does
+            bar = render_bar(f"download {self.name}", done, total, elapsed)
+            self.stream.write(f"\r{bar} ETA {eta:.0f} s" + ("\n" if done >= total else ""))
+            self.stream.flush()
+            return
+        if now - self.last < PROGRESS_INTERVAL_S and done < total:
+            return
+        self.last = now
         logs.event(
             "download",
             phase="progress",
