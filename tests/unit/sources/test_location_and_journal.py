@@ -188,3 +188,25 @@ def test_progress_draws_a_bar_with_rate_and_eta_on_a_terminal() -> None:
     out = p.stream.getvalue()
     assert out.startswith("\rdownload llama [") and " 25.0% " in out and "ETA " in out
     assert out.endswith("\n") and "100.0%" in out
+
+
+def test_a_resumed_partial_download_keeps_only_what_is_on_disk(tmp_path: Path) -> None:
+    from weightd.server.sources.cache import JOURNAL, SourceDir
+
+    objs = [_obj("a", 4), _obj("b", 8), _obj("c", 8)]
+    cache = SourceDir(str(tmp_path))
+    directory, journal = cache.partial("fp", objs, 4)
+    assert journal.done == {} and not journal.complete
+    journal.done = {"a": {(0, 4)}, "b": {(0, 4)}, "c": {(4, 8)}}
+    journal.save(str(Path(directory) / JOURNAL))
+    (Path(directory) / "a").write_bytes(b"aaaa")  # checked and renamed, journal not saved
+    (Path(directory) / "b.part").write_bytes(b"\0" * 8)  # c.part is gone
+    (tmp_path / "v-old.partial").mkdir()  # another version's download: removed
+    again, resumed = SourceDir(str(tmp_path)).partial("fp", objs, 16)
+    assert again == directory and resumed.complete == {"a"}
+    assert resumed.done == {"b": {(0, 4)}} and resumed.part_bytes == 4
+    assert resumed.missing(objs[1]) == [(4, 8)] and resumed.missing(objs[2]) == [(0, 4), (4, 8)]
+    assert not (tmp_path / "v-old.partial").exists()
+    changed = [_obj("a", 4, '"new"'), *objs[1:]]
+    _, fresh = SourceDir(str(tmp_path)).partial("fp", changed, 4)
+    assert fresh.done == {} and not fresh.complete  # other pins: nothing kept

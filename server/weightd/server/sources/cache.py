@@ -127,10 +127,15 @@ class SourceDir:
             load_journal(os.path.join(directory, JOURNAL)) if os.path.isdir(directory) else None
         )
         if journal is not None and journal.matches(objects):
-            # A finished file renamed from NAME.part must still be there, at its size.
-            for name in list(journal.complete):
+            # NAME exists only once NAME.part passed its check and was renamed (perhaps
+            # just before a crash, with the journal not yet saved): complete at its size,
+            # and nothing else is.
+            for name, pin in journal.pins.items():
                 path = os.path.join(directory, name)
-                if not os.path.isfile(path) or os.path.getsize(path) != journal.pins[name]["size"]:
+                if os.path.isfile(path) and os.path.getsize(path) == pin["size"]:
+                    journal.complete.add(name)
+                    journal.done.pop(name, None)
+                else:
                     journal.complete.discard(name)
             for name in list(journal.done):
                 if not os.path.isfile(os.path.join(directory, name + PART_SUFFIX)):
