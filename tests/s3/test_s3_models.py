@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -220,14 +222,16 @@ def test_object_replaced_mid_download_is_an_error_naming_it(
 def test_bucket_modified_after_the_manifest_is_refused(
     seaweed: SeaweedS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    local = write_blob_model(tmp_path / "blob", 1)
+    local = write_blob_model(tmp_path / "blob", 4)
     manifest = make_manifest(local, tmp_path / "manifest.json")
     _env(monkeypatch, seaweed)
     data = bytearray((local / "model.safetensors").read_bytes())
-    # Same size, one byte flipped: refused after that file, before anything is served.
+    # Same size, one byte of the first tensor flipped: refused once that tensor is down,
+    # the rest of the shard never fetched, nothing kept, nothing served.
     bucket = seaweed.bucket()
     seaweed.upload_dir(local, bucket, "blob/")
-    data[len(data) // 2] ^= 1
+    (length,) = struct.unpack("<Q", data[:8])
+    data[8 + length + 100] ^= 1
     seaweed.client().put_object(Bucket=bucket, Key="blob/model.safetensors", Body=bytes(data))
     args = [
         "--model",
@@ -236,17 +240,32 @@ def test_bucket_modified_after_the_manifest_is_refused(
         seaweed.endpoint,
         "--manifest",
         str(manifest),
+        "--s3-part-bytes",
+        str(256 << 10),
+        "--s3-concurrency",
+        "1",
+        "--log-json",
     ]
     done = _serve_fails(tmp_path, args)
-    assert f"s3://{bucket}/blob/model.safetensors: sha256 is" in done.stderr
-    assert f"manifest {manifest} says" in done.stderr
+    assert re.search(
+        rf"s3://{bucket}/blob/model.safetensors: tensor 'blob\.[ab]\.weight': blake3:[0-9a-f]+, "
+        rf"manifest {re.escape(str(manifest))} says blake3:",
+        done.stderr,
+    ), done.stderr
+    assert "the download stopped at this tensor" in done.stderr
+    (failed,) = [
+        json.loads(line)
+        for line in (done.stdout + done.stderr).splitlines()
+        if line.startswith("{") and '"phase": "failed"' in line
+    ]
+    assert 0 < failed["bytes"] < len(data) * 3 // 4  # a 2 MiB tensor, not the 4 MiB file
     assert not list((tmp_path / "cache").glob("sources/*/*/*.safetensors*"))
     # Another size: refused from the listing, before a byte is downloaded.
     bucket = seaweed.bucket()
     seaweed.upload_dir(local, bucket, "blob/")
     seaweed.client().put_object(Bucket=bucket, Key="blob/model.safetensors", Body=bytes(data[:-8]))
     args[1] = f"blob=s3://{bucket}/blob/"
-    done = _serve_fails(tmp_path, [*args, "--log-json"])
+    done = _serve_fails(tmp_path, args)
     assert "model.safetensors is" in done.stderr and "nothing was downloaded" in done.stderr
     assert '"phase": "start"' not in done.stdout + done.stderr
 

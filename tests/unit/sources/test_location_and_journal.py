@@ -210,3 +210,12 @@ def test_a_resumed_partial_download_keeps_only_what_is_on_disk(tmp_path: Path) -
     changed = [_obj("a", 4, '"new"'), *objs[1:]]
     _, fresh = SourceDir(str(tmp_path)).partial("fp", changed, 4)
     assert fresh.done == {} and not fresh.complete  # other pins: nothing kept
+
+
+def test_a_span_is_covered_only_when_every_range_touching_it_is_done() -> None:
+    from weightd.server.sources.tensorcheck import covered
+
+    assert covered(0, 8, 4, {0, 4}) and covered(5, 5, 4, set())
+    assert not covered(0, 8, 4, {0})
+    assert covered(3, 5, 4, {0, 4}) and not covered(3, 5, 4, {4})
+    assert covered(8, 9, 4, {8}) and not covered(7, 9, 4, {8})

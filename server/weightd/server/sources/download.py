@@ -103,6 +103,7 @@ class Download:
         *,
         check_file: Callable[[RemoteObject, str], None],
         progress: Callable[[int, int], None] | None = None,
+        on_range: Callable[[RemoteObject, int, set[Range]], None] | None = None,
     ) -> None:
         self.store = store
         self.location = location
@@ -113,6 +114,9 @@ class Download:
         self.settings = settings
         self.check_file = check_file
         self.progress = progress
+        #: Called (GET threads idle or not) after each finished range with the file's
+        #: descriptor and its finished ranges: checks that need not wait for the file.
+        self.on_range = on_range
         self.throttle = Throttle(settings.max_bytes_per_second)
         self.stop = threading.Event()
         self._lock = threading.Lock()
@@ -239,9 +243,12 @@ class Download:
                         continue
                     if failure is not None:
                         continue
-                    self.journal.done.setdefault(f.obj.name, set()).add(fut.result())
+                    done_ranges = self.journal.done.setdefault(f.obj.name, set())
+                    done_ranges.add(fut.result())
                     f.dirty = True
                     f.left -= 1
+                    if self.on_range is not None:
+                        self.on_range(f.obj, f.fd, done_ranges)
                     if f.left == 0:
                         self._finish(f)
                 if failure is not None:

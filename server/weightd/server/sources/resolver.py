@@ -33,6 +33,7 @@ from typing import Final, TextIO
 
 from ..base.atomicio import write_atomic
 from ..base.errors import (
+    CheckpointError,
     DigestMismatchError,
     ManifestMismatchError,
     ManifestSyntaxError,
@@ -52,6 +53,7 @@ from .cache import JOURNAL, SourceDir, fingerprint
 from .download import Download, DownloadSettings
 from .location import S3Location, adapter_location, is_remote, parse_s3_uri
 from .s3 import RemoteObject, S3Settings, S3Store
+from .tensorcheck import TensorChecker
 
 log = logging.getLogger("weightd.sources")
 
@@ -320,9 +322,9 @@ class SourceResolver:
         started = time.monotonic()
         store = self.store
         retries_before = store.retries.total
-        fetched = 0
+        fetched = [0]  # what this download received, failed or not (set by _download)
         try:
-            directory, fetched, outcome = self._download(name, kind, location, objects, manifest)
+            directory, outcome = self._download(name, kind, location, objects, manifest, fetched)
         except BaseException as exc:
             if self.metrics is not None and isinstance(exc, Exception):
                 self.metrics.failures.labels(source_failure_reason(exc)).inc()
@@ -332,6 +334,7 @@ class SourceResolver:
                 phase="failed",
                 source=name,
                 uri=location.uri,
+                bytes=fetched[0],
                 error=str(exc),
             )
             raise
@@ -349,11 +352,11 @@ class SourceResolver:
             uri=location.uri,
             outcome=outcome,
             files=len(objects),
-            bytes=fetched,
+            bytes=fetched[0],
             seconds=seconds,
             directory=directory,
         )
-        return directory, fetched
+        return directory, fetched[0]
 
     def _download(
         self,
@@ -362,7 +365,8 @@ class SourceResolver:
         location: S3Location,
         objects: list[RemoteObject],
         manifest: Manifest | None,
-    ) -> tuple[str, int, str]:
+        fetched: list[int],
+    ) -> tuple[str, str]:
         settings = self.options.download
         fp = fingerprint(objects)
         endpoint = self.options.s3.endpoint
@@ -370,7 +374,7 @@ class SourceResolver:
             warm = cache.complete(fp, objects)
             if warm is not None:
                 self._hand_out(cache.path, warm)
-                return warm, 0, "warm"
+                return warm, "warm"
             directory, journal = cache.partial(fp, objects, settings.part_bytes)
             already = journal.done_bytes()
             total = sum(o.size for o in objects)
@@ -397,20 +401,26 @@ class SourceResolver:
                 settings,
                 check_file=check_file,
                 progress=_Progress(name, location.uri, already),
+                on_range=(
+                    TensorChecker(location, manifest, journal.part_bytes)
+                    if manifest is not None
+                    else None
+                ),
             )
             try:
                 download.run()
-            except DigestMismatchError:
+            except CheckpointError:  # a digest, header or tensor differs from the manifest
                 cache.discard(directory)  # the store's bytes are wrong: keep none of them
                 raise
             finally:
+                fetched[0] = download.fetched
                 if self.metrics is not None:
                     self.metrics.bytes.labels(kind).inc(download.fetched)
             with self._lock:
                 keep = list(self._handed.get(cache.path, []))
             final = cache.publish(fp, directory, keep)
             self._hand_out(cache.path, final)
-        return final, download.fetched, "resumed" if already else "downloaded"
+        return final, "resumed" if already else "downloaded"
 
     def _hand_out(self, source_dir: str, directory: str) -> None:
         with self._lock:
