@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Final
@@ -103,7 +104,7 @@ class Download:
         *,
         check_file: Callable[[RemoteObject, str], None],
         progress: Callable[[int, int], None] | None = None,
-        on_range: Callable[[RemoteObject, int, set[Range]], None] | None = None,
+        on_range: Callable[[RemoteObject, int, AbstractSet[Range]], None] | None = None,
     ) -> None:
         self.store = store
         self.location = location
@@ -114,8 +115,9 @@ class Download:
         self.settings = settings
         self.check_file = check_file
         self.progress = progress
-        #: Called (GET threads idle or not) after each finished range with the file's
-        #: descriptor and its finished ranges: checks that need not wait for the file.
+        #: Called after each finished range with a descriptor of the file and its
+        #: finished ranges, on one checker thread of its own so that hashing never holds
+        #: up the next GETs: checks that need not wait for the whole file.
         self.on_range = on_range
         self.throttle = Throttle(settings.max_bytes_per_second)
         self.stop = threading.Event()
@@ -223,8 +225,25 @@ class Download:
         failure: BaseException | None = None
         pool = futures.ThreadPoolExecutor(s.concurrency, thread_name_prefix="weightd-s3")
         pending: dict[futures.Future[Range], _File] = {}
+        checker = futures.ThreadPoolExecutor(1, thread_name_prefix="weightd-s3-check")
+        checks: list[tuple[futures.Future[None], int]] = []
         queue = list(reversed(tasks))
         last_save = time.monotonic()
+
+        def check(obj: RemoteObject, fd: int, ranges: AbstractSet[Range]) -> None:
+            try:
+                if self.on_range is not None and not self.stop.is_set():
+                    self.on_range(obj, fd, ranges)
+            finally:
+                os.close(fd)
+
+        def check_failure() -> BaseException | None:
+            for fut, _ in checks:
+                if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                    return fut.exception()
+            checks[:] = [(fut, fd) for fut, fd in checks if not fut.done()]
+            return None
+
         try:
             while queue or pending:
                 while queue and len(pending) < s.concurrency and failure is None:
@@ -248,9 +267,16 @@ class Download:
                     f.dirty = True
                     f.left -= 1
                     if self.on_range is not None:
-                        self.on_range(f.obj, f.fd, done_ranges)
+                        # Its own descriptor: _finish closes f.fd while checks may queue.
+                        fd = os.dup(f.fd)
+                        snapshot = frozenset(done_ranges)
+                        checks.append((checker.submit(check, f.obj, fd, snapshot), fd))
                     if f.left == 0:
                         self._finish(f)
+                if failure is None:
+                    failure = check_failure()
+                    if failure is not None:
+                        self.stop.set()
                 if failure is not None:
                     queue.clear()
                 now = time.monotonic()
@@ -259,12 +285,20 @@ class Download:
                     self._save(files)
                     if self.progress is not None:
                         self.progress(self.journal.done_bytes(), self.total)
+            if failure is None:  # every range is in: the checks still queued decide
+                futures.wait([c for c, _ in checks])
+                failure = check_failure()
         except BaseException as exc:  # a signal during start-up, a failed check_file
             failure = exc
             self.stop.set()
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            checker.shutdown(wait=True, cancel_futures=True)
+            for c, cfd in checks:
+                if c.cancelled():  # never ran, so never closed its descriptor
+                    with contextlib.suppress(OSError):
+                        os.close(cfd)
             with contextlib.suppress(OSError, WeightdError):
                 self._save([f for f in files if f.fd >= 0])
         if failure is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -63,7 +64,7 @@ class TensorChecker:
         #: Tensors whose bytes were compared with the manifest while downloading.
         self.checked = 0
 
-    def __call__(self, obj: RemoteObject, fd: int, done: set[Range]) -> None:
+    def __call__(self, obj: RemoteObject, fd: int, done: AbstractSet[Range]) -> None:
         if not obj.name.endswith(".safetensors"):
             return
         shard = self._shards.setdefault(obj.name, _Shard())
