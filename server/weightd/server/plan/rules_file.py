@@ -70,8 +70,10 @@ def _regex(path: str, where: str, pattern: object) -> str:
         raise RulesFileError(path, f"{where} must be a non-empty regex string")
     try:
         re.compile(pattern)
-    except re.error as exc:
-        raise RulesFileError(path, f"{where} {pattern!r} is not a valid regex: {exc}") from None
+    except (re.error, OverflowError, RecursionError) as exc:
+        # OverflowError: a repeat count past the engine's limit; RecursionError: nesting.
+        shown = pattern if len(pattern) <= 80 else f"{pattern[:80]}... ({len(pattern)} chars)"
+        raise RulesFileError(path, f"{where} {shown!r} is not a valid regex: {exc}") from None
     return pattern
 
 
@@ -206,6 +208,7 @@ def load_rules_file(path: str) -> RuleTable:
 
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=hook, parse_constant=constant)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: nesting deeper than the parser's stack, one line like the rest.
         raise RulesFileError(path, f"not valid JSON: {exc}") from None
     return parse_table(doc, path)
