@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -33,7 +33,7 @@ from ..checkpoint.description import Checkpoint
 from ..checkpoint.header import header_length, parse_header
 from ..checkpoint.scan import read_small
 from ..store.runs import RunPattern
-from .config import AdapterConfig, parse_adapter_config
+from .config import MAX_CONFIG_BYTES, AdapterConfig, parse_adapter_config
 from .validate import AdapterModule, verify_adapter
 
 CONFIG_FILE: Final = "adapter_config.json"
@@ -54,10 +54,12 @@ class LoadedAdapter:
     tensor_digests: dict[str, str]  # file tensor name -> "blake3:<hex>"
     digest: str  # "sha256:<hex>" over both files, see adapter_digest
     base_model: str = ""  # the served model it was verified against
+    config_bytes: int = 0  # adapter_config.json's size: its parsed form is held too
 
     @property
     def nbytes(self) -> int:
-        return len(self.data)
+        """What the adapter holds, as the budget counts it: the weights and the config."""
+        return len(self.data) + self.config_bytes
 
     def read(self, pattern: RunPattern) -> bytes:
         """The bytes of ``pattern`` (offsets into the weights file)."""
@@ -94,7 +96,8 @@ def confine_source(source_dir: str, roots: Sequence[str]) -> str:
     )
 
 
-def _read_weights(root: str) -> bytes:
+def _read_weights(root: str, reserve: Callable[[int], None] | None) -> bytes:
+    """The weights file, whole; ``reserve(size)`` may refuse it (the budget) before the read."""
     path = os.path.join(root, WEIGHTS_FILE)
     if not os.path.lexists(path):
         for pickle in _PICKLES:
@@ -110,6 +113,8 @@ def _read_weights(root: str) -> bytes:
         size = opened.stat.st_size
         if size > MAX_ADAPTER_BYTES:
             raise AdapterError(path, f"{size} bytes, over the {MAX_ADAPTER_BYTES}-byte limit")
+        if reserve is not None:
+            reserve(size)
         with os.fdopen(opened.fd, "rb", closefd=False) as f:
             data = f.read(size + 1)
     finally:
@@ -120,13 +125,23 @@ def _read_weights(root: str) -> bytes:
 
 
 def load_adapter(
-    source_dir: str, roots: Sequence[str], base: Checkpoint, expected_digest: str | None = None
+    source_dir: str,
+    roots: Sequence[str],
+    base: Checkpoint,
+    expected_digest: str | None = None,
+    admit: Callable[[int], None] | None = None,
 ) -> LoadedAdapter:
-    """Read, check and digest the adapter in ``source_dir`` for ``base``; raise on any fault."""
+    """Read, check and digest the adapter in ``source_dir`` for ``base``; raise on any fault.
+
+    ``admit(nbytes)`` is asked, from the files' sizes, before the weights are read: a
+    load the budget could never hold is refused without reading it.
+    """
     root = confine_source(source_dir, roots)
-    raw_config, config_file = read_small(root, CONFIG_FILE)
+    raw_config, config_file = read_small(root, CONFIG_FILE, limit=MAX_CONFIG_BYTES)
     config = parse_adapter_config(os.path.join(root, CONFIG_FILE), raw_config)
-    data = _read_weights(root)
+    config_bytes = len(raw_config)
+    del raw_config  # the parsed form is what is kept
+    data = _read_weights(root, None if admit is None else lambda n: admit(n + config_bytes))
     path = os.path.join(root, WEIGHTS_FILE)
     length = header_length(path, data[:8], len(data))
     header = parse_header(path, data[8 : 8 + length], len(data))
@@ -143,4 +158,4 @@ def load_adapter(
     digest = adapter_digest(config_file.sha256, hashlib.sha256(data).hexdigest())
     if expected_digest is not None and expected_digest != digest:
         raise DigestMismatchError(root, f"adapter digest: expected {expected_digest}, got {digest}")
-    return LoadedAdapter(root, config, modules, data, digests, digest, base.name)
+    return LoadedAdapter(root, config, modules, data, digests, digest, base.name, config_bytes)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from ..base.cleanup import release_frames
 from ..base.errors import InvalidRequest
 from ..plan.layout import Layout
 from ..registry.models import ModelRegistry
@@ -72,6 +73,9 @@ class AdapterService:
         try:
             state = self._load(name, model, source_dir, expected_digest)
         except Exception as exc:
+            # The frames a failed load unwound through held what it read (up to the whole
+            # weights file); clear them so the memory returns when the call ends.
+            release_frames(exc)
             if self.metrics is not None:
                 self.metrics.rejected(exc)
             raise
@@ -87,12 +91,14 @@ class AdapterService:
             raise InvalidRequest("source_dir is empty")
         base = self.models.get(model).checkpoint
         expected = expected_digest or None
-        roots = self.roots
-        self.registry.load(
+        roots, registry = self.roots, self.registry
+        registry.load(
             name,
             f"{base.name}\0{source_dir}",
             expected,
-            lambda: load_adapter(source_dir, roots, base, expected),
+            lambda: load_adapter(
+                source_dir, roots, base, expected, lambda n: registry.check_room(name, n)
+            ),
         )
         return self.state(name)
 

@@ -367,6 +367,16 @@ class RulesFileError(WeightdError):
         self.problem = problem
 
 
+class UnmatchableName(WeightdError):
+    """A name a file's pattern cannot be matched against the way Python's ``re`` would.
+
+    Only a non-ASCII name against a pattern whose classes RE2 reads as ASCII (see
+    :mod:`weightd.server.base.patterns`): refused rather than answered differently.
+    """
+
+    code = Code.FAILED_PRECONDITION
+
+
 class ModelNotReady(WeightdError):
     """The model is still being verified, or is draining; retrying later can succeed."""
 

@@ -39,17 +39,30 @@ from .header import Header, header_length, parse_header
 MAX_JSON_BYTES: Final = 64 << 20
 
 
-def read_small(root: str, name: str, link_root: str | None = None) -> tuple[bytes, SmallFile]:
-    """Read a small JSON file confined to ``root`` (a FIFO or a link out is refused)."""
+def read_small(
+    root: str, name: str, link_root: str | None = None, limit: int | None = None
+) -> tuple[bytes, SmallFile]:
+    """Read a small JSON file confined to ``root`` (a FIFO or a link out is refused).
+
+    A file over ``limit`` bytes (default :data:`MAX_JSON_BYTES`) is refused from its
+    size, before a byte of it is read.
+    """
+    if limit is None:
+        limit = MAX_JSON_BYTES
     opened = open_confined(root, name, link_root=link_root)
     path = os.path.join(root, name)
+    if opened.stat.st_size > limit:
+        os.close(opened.fd)
+        raise CheckpointError(
+            path, f"{opened.stat.st_size} bytes, larger than the {limit}-byte limit"
+        )
     try:
         with os.fdopen(opened.fd, "rb") as f:
-            raw = f.read(MAX_JSON_BYTES + 1)
+            raw = f.read(limit + 1)
     except OSError as exc:
         raise CheckpointError(path, f"cannot read: {exc.strerror}") from None
-    if len(raw) > MAX_JSON_BYTES:
-        raise CheckpointError(path, f"larger than the {MAX_JSON_BYTES}-byte limit")
+    if len(raw) > limit:
+        raise CheckpointError(path, f"larger than the {limit}-byte limit")
     digest = hashlib.sha256(raw).hexdigest()
     return raw, SmallFile(name, len(raw), digest, git_blob_sha1(raw), opened.real_path)
 
