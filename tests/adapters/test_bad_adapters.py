@@ -142,6 +142,8 @@ CASES: list[tuple[str, Callable[[Path], None], type[Exception], str]] = [
     ("base-mismatch", edit_config(base_model_name_or_path="meta-llama/Llama-3.1-8B"),
      AdapterBaseMismatch, "names base model 'meta-llama/Llama-3.1-8B', but it is being loaded "
      "on model 'tiny-llama'"),
+    ("base-with-nul", edit_config(base_model_name_or_path="/models/tiny\x00llama"),
+     AdapterBaseMismatch, "names base model '/models/tiny\\x00llama'"),
     ("duplicate-key", duplicate_header_key, DuplicateKeyError, "duplicate tensor"),
     ("no-config", lambda d: (d / "adapter_config.json").unlink(), MissingFileError,
      "adapter_config.json: file does not exist"),
