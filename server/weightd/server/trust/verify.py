@@ -178,6 +178,9 @@ def verify_checkpoint(
             v.notes.append("digests not computed: fix the problems above first")
             return v
     scan = scan_checkpoint(model_dir, model_name, directory=directory)
+    # Where the descriptor the files were read by points (model_dir may be a link that
+    # an operator flipped since ``root`` was resolved above).
+    root = v.root = scan.root
     v.store = scan.store
     v.problems.extend(scan.problems)
     if scan.config is not None and scan.checkpoint is not None:
