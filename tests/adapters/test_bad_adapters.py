@@ -226,6 +226,27 @@ def test_symlink_escapes(
         attempt(registry, lora, base, str(d))
 
 
+def test_source_dir_relative_to_a_root_and_through_a_link_inside(
+    lora: Fixture, base: Checkpoint, tmp_path: Path
+) -> None:
+    """A name relative to an adapter root is looked up below each root in turn; a link
+    that stays inside the root is followed (by descriptor) and reported resolved."""
+    other_root = tmp_path / "empty-root"
+    other_root.mkdir()
+    roots = [str(other_root), str(lora.root)]
+    relative = load_adapter("good", roots, base)
+    assert relative.source == str(lora.adapter_dir.resolve())
+    link = lora.root / "current"
+    link.symlink_to("good")
+    try:
+        linked = load_adapter(str(link), roots, base)
+    finally:
+        link.unlink()
+    assert linked.source == relative.source and linked.digest == relative.digest
+    with pytest.raises(MissingFileError, match="adapter directory does not exist"):
+        load_adapter("absent", roots, base)
+
+
 def test_digest_mismatch(lora: Fixture, base: Checkpoint, registry: AdapterRegistry) -> None:
     with pytest.raises(DigestMismatchError, match="adapter digest: expected sha256:00"):
         attempt(registry, lora, base, str(lora.second_dir), expected_digest="sha256:" + "0" * 64)
