@@ -74,6 +74,15 @@ def racing(path: Path, outside: Path) -> Iterator[subprocess.Popen[str]]:
     assert path.is_dir() and not path.is_symlink()  # and put the real directory back
 
 
+def _open_fds(daemon: RunningDaemon) -> int:
+    return len(os.listdir(f"/proc/{daemon.process.pid}/fd"))
+
+
+#: Descriptors the daemon may hold more after a race than before it (gRPC's own come and
+#: go); a walk that leaked on its error paths would leak one or more per lost call.
+FD_SLACK = 16
+
+
 def _digest_of(directory: Path) -> str:
     def sha(name: str) -> str:
         return hashlib.sha256((directory / name).read_bytes()).hexdigest()
@@ -114,6 +123,7 @@ def test_adapter_dir_swapped_for_a_link_out_is_never_published(
     refused: dict[str, int] = {}
     with AdminClient(adapter_daemon.admin_target, timeout=60) as admin:
         assert admin.load_adapter("victim", str(victim)).digest == inside
+        fds = _open_fds(daemon)
         with racing(victim, outside):
             deadline = time.monotonic() + SECONDS
             for _ in range(ATTEMPTS):
@@ -127,6 +137,7 @@ def test_adapter_dir_swapped_for_a_link_out_is_never_published(
         assert other not in published, f"the outside adapter was published: {refused}"
         assert set(published) <= {inside}
         assert published, f"no load won the race at all: {refused}"
+        assert _open_fds(daemon) <= fds + FD_SLACK
         [status] = [s for s in admin.list_adapters() if s.name == "victim"]
         assert (status.digest, status.source_dir) == (inside, str(victim.resolve()))
     config = json.loads((lora.base_dir / "config.json").read_text())
@@ -168,6 +179,7 @@ def test_model_subdir_swapped_for_a_link_out_during_reload_is_never_published(
         try:
             digests = {t.name: t.digest for t in client.describe("m").tensors}
             outside_differs = False
+            fds = _open_fds(daemon)
             with racing(model / "w", outside / "w"):
                 deadline = time.monotonic() + SECONDS
                 for _ in range(ATTEMPTS):
@@ -185,6 +197,7 @@ def test_model_subdir_swapped_for_a_link_out_during_reload_is_never_published(
                     assert now == digests, f"outside bytes published after {reloaded} reloads"
             assert not outside_differs
             assert reloaded, f"no reload won the race at all: {refused}"
+            assert _open_fds(daemon) <= fds + FD_SLACK
             got = client.fetch(0, 1)
             assert got.keys() == inside_tensors.keys()
             assert all(torch.equal(got[n], inside_tensors[n]) for n in got)
