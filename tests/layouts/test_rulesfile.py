@@ -48,6 +48,11 @@ BAD = [
     (doc(rules=[rule(), rule(what=1)]), "rules[1].what: unknown key"),
     (doc(rules=[rule(match="[")]), "rules[0].match '[' is not a valid regex"),
     (doc(rules=[rule(match="")]), "rules[0].match must be a non-empty regex string"),
+    # Patterns run on the linear-time engine: what it cannot run is refused (#15 item 1).
+    (doc(rules=[rule(), rule(match=r"(?=q)\.w$")]), "rules[1].match '(?=q)\\\\.w$' cannot be"),
+    (doc(rules=[rule(match=r"(\w)\1")]), "uses numeric escape"),
+    (doc(rules=[rule(match="a{4294967296}")]), "is not a valid regex"),
+    (doc(layers={"pattern": r"layers\.(?P<layer>\d{1,2000})\."}), "layers.pattern"),
     (
         doc(rules=[rule(split="colum")]),
         "rules[0].split is 'colum'; expected one of replicated, column",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from ..base.cleanup import release_frames
 from ..base.errors import InvalidRequest
 from ..checkpoint.description import Checkpoint
 from ..plan.layout import Layout
@@ -84,6 +85,9 @@ class AdapterService:
         try:
             state = self._load(name, model, source_dir, expected_digest)
         except Exception as exc:
+            # The frames a failed load unwound through held what it read (up to the whole
+            # weights file); clear them so the memory returns when the call ends.
+            release_frames(exc)
             if self.metrics is not None:
                 self.metrics.rejected(exc)
             raise
@@ -99,15 +103,27 @@ class AdapterService:
             raise InvalidRequest("source_dir is empty")
         base = self.models.get(model).checkpoint
         expected = expected_digest or None
-        roots = self.roots
-        loader = lambda: load_adapter(source_dir, roots, base, expected)  # noqa: E731
+        roots, registry = self.roots, self.registry
+
+        def admit(nbytes: int) -> None:
+            registry.check_room(name, nbytes)
+
         if is_remote(source_dir):
-            loader = self._remote_loader(source_dir, base, expected)
-        self.registry.load(name, f"{base.name}\0{source_dir}", expected, loader)
+            loader = self._remote_loader(source_dir, base, expected, admit)
+        else:
+
+            def loader() -> LoadedAdapter:
+                return load_adapter(source_dir, roots, base, expected, admit)
+
+        registry.load(name, f"{base.name}\0{source_dir}", expected, loader)
         return self.state(name)
 
     def _remote_loader(
-        self, source: str, base: Checkpoint, expected: str | None
+        self,
+        source: str,
+        base: Checkpoint,
+        expected: str | None,
+        admit: Callable[[int], None],
     ) -> Callable[[], LoadedAdapter]:
         """Download (or find cached) the ``s3://`` adapter, then load it as a local one."""
         resolver = self.resolver
@@ -117,7 +133,7 @@ class AdapterService:
 
         def load() -> LoadedAdapter:
             directory, root = resolver.resolve_adapter(source, remote_roots, expected)
-            return load_adapter(directory, [root], base, expected)
+            return load_adapter(directory, [root], base, expected, admit)
 
         return load
 

@@ -177,6 +177,13 @@ class PathEscapeError(UnsafePathError):
     """A name or link that would leave the model directory (absolute, ``..``, drive, ...)."""
 
 
+class OutsideRootError(PathEscapeError):
+    """A directory a caller named that is outside the configured roots (``--adapter-root``),
+    or whose links lead out of them: the caller may not have it read."""
+
+    code = Code.PERMISSION_DENIED
+
+
 class NotRegularFileError(UnsafePathError):
     """A FIFO, device, socket or directory where a regular file is expected."""
 
@@ -329,6 +336,11 @@ class InvalidRequest(WeightdError):
     code = Code.INVALID_ARGUMENT
 
 
+class RequestPathError(InvalidRequest):
+    """A path in a request that is no plain path (a NUL byte, a ``..`` component): the
+    caller's mistake, refused before anything is opened."""
+
+
 class ShardingError(WeightdError):
     """The model cannot be split the way the request asks (a dimension not divisible)."""
 
@@ -365,6 +377,16 @@ class RulesFileError(WeightdError):
         super().__init__(f"{path}: {problem}")
         self.path = path
         self.problem = problem
+
+
+class UnmatchableName(WeightdError):
+    """A name a file's pattern cannot be matched against the way Python's ``re`` would.
+
+    Only a non-ASCII name against a pattern whose classes RE2 reads as ASCII (see
+    :mod:`weightd.server.base.patterns`): refused rather than answered differently.
+    """
+
+    code = Code.FAILED_PRECONDITION
 
 
 class ModelNotReady(WeightdError):
