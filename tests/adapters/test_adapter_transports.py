@@ -32,10 +32,18 @@ from weightd.client.transports import side_socket_path
 pytestmark = pytest.mark.e2e
 
 
+def held_bytes(adapter_dir: Path) -> int:
+    """What an adapter holds as the budget counts it: its weights and its config."""
+    return sum(
+        (adapter_dir / f).stat().st_size
+        for f in ("adapter_model.safetensors", "adapter_config.json")
+    )
+
+
 @pytest.fixture(scope="module")
 def budget(lora: Fixture) -> int:
     """Room for exactly 8 copies of the "second" adapter (r=8)."""
-    return 8 * (lora.second_dir / "adapter_model.safetensors").stat().st_size + 1024
+    return 8 * held_bytes(lora.second_dir) + 1024
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +204,7 @@ def test_metrics_follow_load_replace_unload_evict_reject(
     def delta(name: str) -> float:
         return metrics(daemon).get(name, 0.0) - before.get(name, 0.0)
 
-    second_bytes = (lora.second_dir / "adapter_model.safetensors").stat().st_size
+    second_bytes = held_bytes(lora.second_dir)
     admin.load_adapter("m", str(lora.adapter_dir))
     admin.load_adapter("m", str(lora.second_dir))  # replace
     with pytest.raises(Exception, match="outside the adapter roots"):
