@@ -52,7 +52,11 @@ def base_matches(declared: str, ckpt: Checkpoint) -> bool:
 
     PEFT writes whatever the base was loaded from: a hub id (``org/name``) or a local
     directory. Either matches when it names the served model's directory or its name.
+    The string comes from the adapter's file: one with a NUL byte names nothing (and
+    ``realpath`` would raise on it).
     """
+    if "\x00" in declared:
+        return False
     if os.path.isabs(declared):
         return os.path.realpath(declared) == os.path.realpath(ckpt.root)
     tail = declared.rstrip("/").rsplit("/", 1)[-1]

@@ -177,6 +177,13 @@ class PathEscapeError(UnsafePathError):
     """A name or link that would leave the model directory (absolute, ``..``, drive, ...)."""
 
 
+class OutsideRootError(PathEscapeError):
+    """A directory a caller named that is outside the configured roots (``--adapter-root``),
+    or whose links lead out of them: the caller may not have it read."""
+
+    code = Code.PERMISSION_DENIED
+
+
 class NotRegularFileError(UnsafePathError):
     """A FIFO, device, socket or directory where a regular file is expected."""
 
@@ -327,6 +334,11 @@ class InvalidRequest(WeightdError):
     """The request itself is malformed (a rank outside the world, a zero world size)."""
 
     code = Code.INVALID_ARGUMENT
+
+
+class RequestPathError(InvalidRequest):
+    """A path in a request that is no plain path (a NUL byte, a ``..`` component): the
+    caller's mistake, refused before anything is opened."""
 
 
 class ShardingError(WeightdError):

@@ -209,6 +209,7 @@ def load_rules_file(path: str) -> RuleTable:
 
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=hook, parse_constant=constant)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: nesting deeper than the parser's stack, one line like the rest.
         raise RulesFileError(path, f"not valid JSON: {exc}") from None
     return parse_table(doc, path)

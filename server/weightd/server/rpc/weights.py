@@ -109,7 +109,15 @@ class WeightsService:
             architecture=ckpt.architecture,
             config_json=ckpt.config_json,
             total_bytes=ckpt.total_bytes,
+            model_fingerprint=m.fingerprint,
         )
+        # Every file the load read and verified, so a client can prove a local copy
+        # (vLLM's model directory) is this checkpoint. A shard's SHA-256 is present
+        # when the daemon hashed the whole file (manifest, HF cache); its size always.
+        for name in sorted(set(ckpt.small_files) | set(ckpt.shards)):
+            known = m.file_digests.get(name)
+            size = known.size if known is not None else m.store.shard(name).identity.size
+            out.files.add(name=name, size=size, sha256=known.sha256 if known else "")
         for t in ckpt.tensors.values():
             out.tensors.add(
                 name=t.name,
