@@ -65,10 +65,11 @@ def test_kubernetes_manifests_validate_against_the_schemas() -> None:
         "daemonset.yaml",
         "daemonset-cuda-ipc.yaml",
         "service.yaml",
+        "networkpolicy.yaml",
     }
     done = _validate(*MANIFESTS)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("passed for resource") + done.stderr.count("passed for resource") == 4
+    assert done.stdout.count("passed for resource") + done.stderr.count("passed for resource") == 5
 
 
 def test_the_validator_does_reject_a_bad_manifest(tmp_path: Path) -> None:
@@ -101,9 +102,28 @@ def test_daemonset_shape(name: str, host_ipc: bool) -> None:
     health_port = int(args[args.index("--health-listen") + 1].rsplit(":", 1)[1])
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == health_port
+    # Busy is not dead: liveness asks the service that does not follow capacity.
+    assert container["livenessProbe"]["grpc"]["service"] == "weightd.v1.Liveness"
+    # TCP listeners bind the pod's own address, never every interface.
+    for flag in ("--health-listen", "--metrics-listen"):
+        assert args[args.index(flag) + 1].startswith("$(POD_IP):"), flag
+    (env,) = [e for e in container["env"] if e["name"] == "POD_IP"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     # Admin is not in the socket directory the workers share.
     admin = args[args.index("--admin-listen") + 1]
     assert not admin.startswith("unix:///run/weightd/")
+
+
+def test_metrics_are_admitted_only_from_the_monitoring_namespace() -> None:
+    (policy,) = yaml.safe_load_all((DEPLOY / "kubernetes" / "networkpolicy.yaml").read_text())
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "weightd"}
+    assert spec["policyTypes"] == ["Ingress"]
+    by_port = {r["ports"][0]["port"]: r.get("from") for r in spec["ingress"]}
+    assert set(by_port) == {9464, 7071}
+    assert by_port[9464] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
 
 
 def test_dockerfile_is_multi_stage_and_runs_unprivileged() -> None:

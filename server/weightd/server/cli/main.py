@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
         f"(default: unix://{default_socket_path()})",
     )
     s.add_argument(
+        "--socket-group-access",
+        action="store_true",
+        help="worker and side sockets 0660 in a 0750 directory, so members of the daemon's "
+        "group may connect (default: 0600 in 0700, this user only; admin stays 0600)",
+    )
+    s.add_argument(
         "--insecure",
         action="store_true",
         help="allow TCP without TLS (logged loudly; off loopback, weights cross the network "
@@ -174,8 +180,14 @@ def _add_ops_args(s: argparse.ArgumentParser) -> None:
         "--max-stream-seconds",
         type=float,
         default=3600.0,
-        help="cancel a Fetch stream running longer than this, whatever the client's deadline "
-        "(0: no cap)",
+        help="end any server stream (Fetch, FetchAdapter, watches) running longer than this, "
+        "whatever the client's deadline (0: no cap)",
+    )
+    s.add_argument(
+        "--stream-idle-seconds",
+        type=float,
+        default=60.0,
+        help="cancel a server stream whose client has taken no message for this long (0: off)",
     )
 
 
@@ -228,6 +240,7 @@ def _serve(args: argparse.Namespace) -> int:
         models=models,
         listen=args.listen or f"unix://{default_socket_path()}",
         insecure=args.insecure,
+        socket_group_access=args.socket_group_access,
         max_workers=args.max_workers,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         chunk_bytes=args.chunk_bytes,
@@ -241,6 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
         health_listen=args.health_listen,
         reflection=args.reflection,
         max_stream_seconds=args.max_stream_seconds,
+        stream_idle_seconds=args.stream_idle_seconds,
         rules_files=args.rules,
         verify=verify,
         local=from_arguments(args),
