@@ -22,25 +22,28 @@ returns; a tensor whose digest does not match is never handed out.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import torch
 
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from .adapters import AdapterWatch, AdapterWeights, fetch_adapter_via
 from .descriptions import ModelDescription, ModelInfo, description_of, model_info_of
 from .errors import InvalidArgumentError, from_rpc_error
 from .fetchwire import RawFetchStub
 from .layout import Layout
-from .loading import apply_fetched
-from .local_fetch import attach_local, negotiated_fetch
-from .receive import ProgressFn
-from .resumable import ResumeReport, fetch_resumable
 from .retry import RetryPolicy, RetryStats, call_with_retry
 from .transports import FetchInfo, PackRef, Transport
+
+# torch (seconds to import) and the modules that make tensors load on the first call
+# that makes tensors: ``list_models`` and ``describe`` (``weightd list``) need none.
+if TYPE_CHECKING:
+    import torch
+
+    from .adapters import AdapterWatch, AdapterWeights
+    from .receive import ProgressFn
+    from .resumable import ResumeReport
 
 T = TypeVar("T")
 
@@ -136,6 +139,8 @@ class WeightClient:
         CPU, or the current GPU for ``"cuda_ipc"``); the result names the version and
         ``.transport``.
         """
+        from .adapters import fetch_adapter_via
+
         return fetch_adapter_via(
             self.target,
             self._stub,
@@ -152,6 +157,8 @@ class WeightClient:
 
     def watch_adapters(self, timeout: float | None = None) -> AdapterWatch:
         """Adapter events: a load for each adapter loaded now, then every change in order."""
+        from .adapters import AdapterWatch
+
         return AdapterWatch(self._stub, timeout)
 
     def _unary(self, method: Callable[..., T], request: object) -> T:
@@ -250,6 +257,10 @@ class WeightClient:
         verify: bool,
         into: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
+        import torch
+
+        from .local_fetch import negotiated_fetch
+
         layout.check()  # here too: a negative number cannot even be encoded as uint32
         wanted = list(names or ())
 
@@ -318,6 +329,10 @@ class WeightClient:
         Refused (FailedPreconditionError) when the daemon restarted since ``ref`` was
         granted: its handle would name memory that no longer exists.
         """
+        import torch
+
+        from .local_fetch import attach_local
+
         state, info = attach_local(
             self.target,
             ref,
@@ -343,6 +358,8 @@ class WeightClient:
         Raises a :class:`~weightd.client.errors.WeightdError` subclass carrying the
         daemon's status code and detail; a partial result is never returned.
         """
+        from .resumable import ResumeReport, fetch_resumable
+
         request = pb.FetchRequest(
             model=model or "",
             layout=layout.to_proto(),
@@ -387,6 +404,8 @@ class WeightClient:
         on failure (the rank is then fetched whole first, then copied in). Same-host
         transports map the shared pack and copy from it either way.
         """
+        from .loading import apply_fetched
+
         targets = module.state_dict()  # detached views of its parameters and buffers
         if world_size < 1 or not 0 <= rank < world_size:
             raise InvalidArgumentError(

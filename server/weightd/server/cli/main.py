@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -228,13 +229,10 @@ def _serve(args: argparse.Namespace) -> int:
     from ..daemon.assembly import ServeConfig, serve
     from ..transports.options import from_arguments
     from .demo import DEMO_NAME, ensure_demo_checkpoint
+    from .preflight import check_serve
 
     models: list[tuple[str | None, str]] = args.model or []
-    if not models:
-        path = ensure_demo_checkpoint(_cache_dir(args.cache_dir))
-        log.info("no --model given: serving the built-in demo checkpoint at %s", path)
-        models = [(DEMO_NAME, path)]
-    names = [name or os.path.basename(os.path.realpath(d)) for name, d in models]
+    names = [name or os.path.basename(os.path.realpath(d)) for name, d in models] or [DEMO_NAME]
     verify = serve_verify_options(args, names, _cache_dir(args.cache_dir))
     config = ServeConfig(
         models=models,
@@ -262,6 +260,13 @@ def _serve(args: argparse.Namespace) -> int:
         watch_seconds=args.watch_interval,
         adapter_budget_bytes=args.adapter_budget_bytes,
     )
+    # Everything named on the command line is checked before a socket is bound or a
+    # line logged: a typo is one line, and leaves no socket directory behind.
+    check_serve(config, names)
+    if not models:
+        path = ensure_demo_checkpoint(_cache_dir(args.cache_dir))
+        log.info("no --model given: serving the built-in demo checkpoint at %s", path)
+        config.models = [(DEMO_NAME, path)]
     return serve(config)
 
 
@@ -270,8 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..telemetry.logs import setup_logging
 
     setup_logging(getattr(args, "log_level", "INFO"), json_lines=getattr(args, "log_json", False))
-    # Only the client commands import the client (and so torch): verify, manifest and
-    # serve start seconds faster without it.
+    # Only the client commands import the client (and fetch torch, to make tensors):
+    # verify, manifest, serve, list and describe start seconds faster without it.
     explained: tuple[type[Exception], ...] = (WeightdError,)
     if args.command in ("fetch", "list", "describe", "reload"):
         from weightd.client.errors import WeightdError as ClientError
@@ -279,32 +284,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         explained = (WeightdError, ClientError)
 
     try:
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "fetch":
-            return run_fetch(args)
-        if args.command == "plan":
-            return _plan(args)
-        if args.command == "list":
-            return run_list(args)
-        if args.command == "describe":
-            return run_describe(args)
-        if args.command == "health":
-            return run_health(args)
-        if args.command == "reload":
-            return run_reload(args)
-        if args.command == "verify":
-            return run_verify(args)
-        if args.command == "manifest":
-            return run_manifest(args)
-        print(_demo_path(args))
-        return 0
+        status = _dispatch(args)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe cannot be caught
+        return status
+    except BrokenPipeError:
+        return _output_closed()
     except explained as exc:
         print(f"weightd {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"weightd {args.command}: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "fetch":
+        return run_fetch(args)
+    if args.command == "plan":
+        return _plan(args)
+    if args.command == "list":
+        return run_list(args)
+    if args.command == "describe":
+        return run_describe(args)
+    if args.command == "health":
+        return run_health(args)
+    if args.command == "reload":
+        return run_reload(args)
+    if args.command == "verify":
+        return run_verify(args)
+    if args.command == "manifest":
+        return run_manifest(args)
+    print(_demo_path(args))
+    return 0
+
+
+def _output_closed() -> int:
+    """Whoever read our output stopped (``weightd describe ... | head``): exit quietly.
+
+    What is still buffered can never be written; stdout is pointed at /dev/null so the
+    interpreter's final flush does not print a second complaint. The status is a shell's
+    for a process ended by SIGPIPE, so ``set -o pipefail`` still sees the cut.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _demo_path(args: argparse.Namespace) -> str:
