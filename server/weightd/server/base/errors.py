@@ -412,6 +412,70 @@ class DataIntegrityError(WeightdError):
     code = Code.DATA_LOSS
 
 
+# --- remote sources (object storage) ----------------------------------------------
+
+
+class ObjectStoreError(WeightdError):
+    """The object store a model or adapter comes from failed us; the message names the
+    ``s3://`` object and never a credential. Retrying later can succeed unless a
+    subclass says otherwise."""
+
+    code = Code.UNAVAILABLE
+
+    def __init__(self, uri: str, problem: str) -> None:
+        super().__init__(f"{uri}: {problem}")
+        self.uri = uri
+        self.problem = problem
+
+
+class ObjectStoreUnreachable(ObjectStoreError):
+    """The endpoint refused the connection, timed out or does not resolve."""
+
+
+class ObjectStoreThrottled(ObjectStoreError):
+    """The store kept answering SlowDown / 503 after the SDK's retries with backoff."""
+
+
+class ObjectNotFound(ObjectStoreError):
+    """A bucket, prefix or object that the configuration names does not exist."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class ObjectAccessDenied(ObjectStoreError):
+    """The store refused our credentials (unknown key, bad signature, no permission)."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class ObjectChanged(ObjectStoreError):
+    """An object no longer has the ETag / version pinned when its download began; the
+    download stops rather than mix two versions in one file. Retrying fetches the new
+    version whole."""
+
+    code = Code.ABORTED
+
+
+class ObjectTruncated(ObjectStoreError):
+    """The store sent fewer (or more) bytes than the range or the object's size says."""
+
+    code = Code.DATA_LOSS
+
+
+class ObjectTooLarge(ObjectStoreError):
+    """An object is larger than weightd accepts for what it is (a JSON file of a model
+    directory without a manifest pinning its size): never downloaded."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class RemoteTrustError(WeightdError):
+    """A remote source was named without a trust root: an object store is not one, so a
+    manifest (or an explicit ``--trust-object-store``) is required."""
+
+    code = Code.FAILED_PRECONDITION
+
+
 class ResourceLimitError(WeightdError):
     code = Code.RESOURCE_EXHAUSTED
 

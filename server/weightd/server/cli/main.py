@@ -26,6 +26,7 @@ from .client_commands import (
     run_reload,
 )
 from .client_commands import add_parsers as add_client_parsers
+from .source_options import add_arguments as add_source_arguments
 from .trust_commands import add_parsers as add_trust_parsers
 from .trust_commands import add_serve_options, run_manifest, run_verify, serve_verify_options
 
@@ -50,8 +51,9 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         type=_model_arg,
-        metavar="[NAME=]DIR",
-        help="checkpoint directory to serve (repeatable); default: the built-in demo checkpoint",
+        metavar="[NAME=]DIR|s3://BUCKET/PREFIX/",
+        help="checkpoint directory, or an s3:// prefix holding one, to serve (repeatable); "
+        "default: the built-in demo checkpoint",
     )
     s.add_argument(
         "--listen",
@@ -77,8 +79,9 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         dest="adapter_roots",
-        metavar="DIR",
-        help="a directory LoRA adapters may be loaded from (repeatable); none: no loads",
+        metavar="DIR|s3://BUCKET/PREFIX/",
+        help="a directory (or s3:// prefix) LoRA adapters may be loaded from (repeatable); "
+        "none: no loads",
     )
     s.add_argument(
         "--adapter-budget-bytes",
@@ -99,7 +102,11 @@ def _parser() -> argparse.ArgumentParser:
         "--max-concurrent-rpcs", type=int, default=64, help="beyond this, RESOURCE_EXHAUSTED"
     )
     s.add_argument("--grace", type=float, default=30.0, help="seconds to drain after SIGTERM")
-    s.add_argument("--cache-dir", default=None, help="where the demo checkpoint is created")
+    s.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where the demo checkpoint, the hash cache and downloaded s3:// sources live",
+    )
     s.add_argument(
         "--rules",
         action="append",
@@ -111,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_ops_args(s)
     add_serve_options(s)
     add_local_arguments(s)
+    add_source_arguments(s)
 
     add_fetch_parser(sub)
 
@@ -227,12 +235,17 @@ def _cache_dir(arg: str | None) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     from ..daemon.assembly import ServeConfig, serve
+    from ..sources.location import default_model_name, is_remote, parse_s3_uri
     from ..transports.options import from_arguments
     from .demo import DEMO_NAME, ensure_demo_checkpoint
     from .preflight import check_serve
+    from .source_options import from_arguments as source_options
 
     models: list[tuple[str | None, str]] = args.model or []
-    names = [name or os.path.basename(os.path.realpath(d)) for name, d in models] or [DEMO_NAME]
+    for _, source in [*models, *((None, r) for r in args.adapter_roots)]:
+        if is_remote(source):
+            parse_s3_uri(source)  # a malformed location fails here, in one line
+    names = [name or default_model_name(d) for name, d in models] or [DEMO_NAME]
     verify = serve_verify_options(args, names, _cache_dir(args.cache_dir))
     config = ServeConfig(
         models=models,
@@ -259,6 +272,7 @@ def _serve(args: argparse.Namespace) -> int:
         adapter_roots=args.adapter_roots,
         watch_seconds=args.watch_interval,
         adapter_budget_bytes=args.adapter_budget_bytes,
+        sources=source_options(args, _cache_dir(args.cache_dir)),
     )
     # Everything named on the command line is checked before a socket is bound or a
     # line logged: a typo is one line, and leaves no socket directory behind.

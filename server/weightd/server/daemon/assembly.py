@@ -22,7 +22,7 @@ from ..base.errors import ListenError
 from ..plan.rules import RuleTable
 from ..plan.rules_file import load_rules_file
 from ..registry.filewatch import DEFAULT_INTERVAL_SECONDS, ShardWatcher
-from ..registry.loading import Reloader, load_observed
+from ..registry.loading import Reloader, load_source
 from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.guards import AdminGate
@@ -31,8 +31,10 @@ from ..rpc.requests import RequestGuard
 from ..rpc.streams import DEFAULT_IDLE_SECONDS, StreamBounds, StreamWatchdog
 from ..rpc.weights import WeightsService, add_weights_service
 from ..rpc.wire import DEFAULT_CHUNK_BYTES, WEIGHTS_SERVICE
+from ..sources.location import default_model_name
+from ..sources.resolver import SourceOptions, SourceResolver
 from ..telemetry import logs
-from ..telemetry.metrics import Metrics, MetricsServer, serve_metrics
+from ..telemetry.metrics import Metrics, MetricsServer, SourceMetrics, serve_metrics
 from ..transports.local_server import LocalServer, start_local_server
 from ..transports.options import LocalConfig, check_config
 from ..trust.verify import VerifyOptions
@@ -57,7 +59,7 @@ log = logging.getLogger("weightd")
 class ServeConfig:
     """Everything ``weightd serve`` can be told. One object, filled by the CLI."""
 
-    #: (name or None, directory) of each model to serve.
+    #: (name or None, directory or ``s3://bucket/prefix/``) of each model to serve.
     models: list[tuple[str | None, str]]
     #: A gRPC address: ``unix:///path.sock`` or ``HOST:PORT`` (port 0 picks one).
     listen: str
@@ -110,6 +112,8 @@ class ServeConfig:
     adapter_budget_bytes: int | None = None
     #: Seconds between two checks of every served shard by the file watcher (0: off).
     watch_seconds: float = DEFAULT_INTERVAL_SECONDS
+    #: Remote (``s3://``) models and adapters: endpoint, download engine, cache, trust.
+    sources: SourceOptions = field(default_factory=SourceOptions)
 
 
 @dataclass
@@ -144,6 +148,9 @@ class Daemon:
 
     #: Notices changed shard files, re-verifies and restores (``--watch-interval``).
     watcher: ShardWatcher | None = None
+
+    #: Brings ``s3://`` models and adapters into the local cache.
+    resolver: SourceResolver | None = None
 
     @property
     def target(self) -> str:
@@ -279,8 +286,15 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             interceptors=[observer, RequestGuard(), AdminGate(), bounds],
         )
+        source_metrics = (
+            SourceMetrics.create(metrics_registry) if metrics_registry is not None else None
+        )
+        resolver = SourceResolver(config.sources, config.verify, source_metrics)
         adapter_service = AdapterService(
-            registry, AdapterRegistry(config.adapter_budget_bytes), config.adapter_roots
+            registry,
+            AdapterRegistry(config.adapter_budget_bytes),
+            config.adapter_roots,
+            resolver=resolver,
         )
         adapters = Adapters(adapter_service)
         service = WeightsService(
@@ -305,12 +319,14 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             watchdog=watchdog,
             locks=locks,
             adapters=adapters,
+            resolver=resolver,
         )
         daemon.reloader = Reloader(
             registry,
             metrics,
-            sources={n or os.path.basename(os.path.realpath(d)): d for n, d in config.models},
+            sources={n or default_model_name(d): d for n, d in config.models},
             options=config.verify,
+            resolver=resolver,
         )
         if config.watch_seconds > 0:
             daemon.watcher = ShardWatcher(
@@ -365,14 +381,15 @@ def load_models(
     tables: Sequence[RuleTable] = (),
     options: VerifyOptions | None = None,
 ) -> None:
-    """Verify and publish each model; the first failure propagates (nothing half-published)."""
-    named = [(name or os.path.basename(os.path.realpath(d)), d) for name, d in models]
+    """Verify and publish each model (an ``s3://`` one downloaded into the cache first, or
+    found there warm); the first failure propagates (nothing half-published)."""
+    named = [(name or default_model_name(d), d) for name, d in models]
     for name, _ in named:
         daemon.registry.expect(name)
         if daemon.metrics is not None:
             daemon.metrics.model_known(name)
-    for name, directory in named:
-        model, _ = load_observed(directory, name, daemon.metrics, tables, options)
+    for name, source in named:
+        model, _ = load_source(source, name, daemon.metrics, tables, options, daemon.resolver)
         daemon.registry.publish(model)
 
 
