@@ -70,6 +70,11 @@ class WeightClient:
     ``"blake3"`` or ``"sha256"``; None: BLAKE3 when the ``blake3`` package can be
     imported (about 4x cheaper per byte on both sides), else SHA-256. A daemon that
     predates the choice sends SHA-256, which is always accepted.
+
+    ``populate``: a shared-memory fetch returns with every page of the rank already
+    mapped in this process (``MADV_POPULATE_READ``) instead of faulting pages in as
+    they are first read. Off by default: measured here it costs the same in total
+    (``weightd.client.shm``), and a worker that reads only part of a rank pays less.
     """
 
     #: How the latest fetch was served (also returned by :meth:`fetch_with_info`).
@@ -86,6 +91,7 @@ class WeightClient:
         retry: RetryPolicy | None = None,
         on_tensor: ProgressFn | None = None,
         slice_digest: str | None = None,
+        populate: bool = False,
     ) -> None:
         kind = preferred_kind() if slice_digest is None else slice_digest
         if kind not in available_kinds():
@@ -95,6 +101,7 @@ class WeightClient:
             )
         #: The slice digest kind gRPC fetches ask for.
         self.slice_digest = kind
+        self.populate = populate
         opts: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         if retry is not None:
             # gRPC's own reconnect backoff grows to 2 minutes; a restarted daemon must be
@@ -327,6 +334,7 @@ class WeightClient:
                 copy=copy,
                 verify=verify,
                 timeout=self.timeout,
+                populate=self.populate,
             )
 
         # The gRPC path retries (and resumes) by itself; only an explicit same-host
@@ -388,6 +396,7 @@ class WeightClient:
             copy=copy,
             verify=verify,
             timeout=self.timeout,
+            populate=self.populate,
         )
         self.last_fetch = info
         return state, info
