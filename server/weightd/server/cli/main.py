@@ -75,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--chunk-bytes", type=int, default=1 << 20, help="tensor bytes per message")
     s.add_argument(
+        "--fetch-rehash",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hash each slice again as a Fetch sends it and compare with the anchored digest "
+        "(default); --no-fetch-rehash relies on the shard descriptors' fstat and the "
+        "client's own digest check (docs/grpc-throughput.md)",
+    )
+    s.add_argument(
         "--adapter-root",
         action="append",
         default=[],
@@ -255,6 +263,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         chunk_bytes=args.chunk_bytes,
+        fetch_rehash=args.fetch_rehash,
         grace_seconds=args.grace,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

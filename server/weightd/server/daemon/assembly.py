@@ -72,6 +72,10 @@ class ServeConfig:
     max_concurrent_rpcs: int = 64
     #: Default tensor payload per streamed message.
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: ``--fetch-rehash`` (default) / ``--no-fetch-rehash``: hash each slice's bytes
+    #: again as a Fetch sends them and compare with the anchored digest. Off, the
+    #: daemon relies on the held descriptors' ``fstat`` and the client's own check.
+    fetch_rehash: bool = True
     #: Seconds in-flight RPCs get to finish after SIGTERM.
     grace_seconds: float = 30.0
     #: Sharding rules files (``--rules``), tried before the built-in tables.
@@ -302,6 +306,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             config.chunk_bytes,
             adapters,
             resumes=metrics.fetch_resumes if metrics is not None else None,
+            rehash=config.fetch_rehash,
         )
         add_weights_service(service, server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
