@@ -2,6 +2,11 @@
 # Sets up .venv for weightd development: torch's CPU build, then weightd with [dev] extras
 # (editable). Idempotent and quick when nothing changed. Sourced by .ci/test.sh and
 # deploy/demo.sh; safe to run by itself.
+#
+# Progress goes to stderr: one "== setup:" line per step, then pip's own lines
+# (Collecting, Downloading, Installing; not -q, which hid minutes of work). Lines for
+# what is already installed are left out, and pip's progress bar is drawn only on a
+# terminal, so a CI log gets a line per package, not a line per percent.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
@@ -9,11 +14,21 @@ PYTHON=${PYTHON:-python3}
 # multi-GB CUDA build. GPU hosts: set WEIGHTD_TORCH_SPEC to the build you want (or "" to
 # keep the installed one).
 TORCH_SPEC=${WEIGHTD_TORCH_SPEC-torch==2.13.0}
+
+step() { echo "== setup: $*" >&2; }
+pip_flags=(--disable-pip-version-check)
+if [ ! -t 2 ]; then pip_flags+=(--progress-bar off); fi
+pip_install() {
+  step "pip install $*"
+  .venv/bin/python -m pip install "${pip_flags[@]}" "$@" 2>&1 \
+    | grep --line-buffered -v -e '^WARNING: Location' -e '^Requirement already satisfied' >&2 || true
+}
+
 # Debian's prometheus package: the ops tests run promtool and a real Prometheus server.
 # Installed only when missing, and only as root (CI runs as root on a fresh clone).
 if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing Debian's prometheus package (prometheus, promtool)" >&2
+    step "installing Debian's prometheus package (prometheus, promtool)"
     apt-get update -qq >&2
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >&2
   else
@@ -21,16 +36,21 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   fi
 fi
 if [ ! -x .venv/bin/python ]; then
+  step "creating .venv with $PYTHON"
   "$PYTHON" -m venv .venv
 fi
 stamp=$(cat pyproject.toml .ci/setup.sh | sha256sum | cut -c1-16)
-if [ "$(cat .venv/.weightd-setup 2>/dev/null || true)" != "$stamp" ]; then
-  echo "setting up .venv (torch: ${TORCH_SPEC:-as installed})" >&2
-  if [ -n "$TORCH_SPEC" ]; then
-    .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1 | grep -v '^WARNING: Location' >&2 || true
-  fi
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
-  .venv/bin/python -c "import torch, grpc, weightd.client, weightd.server.cli.main" \
-    || { echo "setup failed: see pip output above" >&2; exit 1; }
-  echo "$stamp" > .venv/.weightd-setup
+if [ "$(cat .venv/.weightd-setup 2>/dev/null || true)" = "$stamp" ]; then
+  step ".venv is up to date (pyproject.toml and .ci/setup.sh unchanged since it was set up)"
+  exit 0
 fi
+step "setting up .venv (torch: ${TORCH_SPEC:-as installed}); a fresh one takes a few minutes"
+if [ -n "$TORCH_SPEC" ]; then
+  pip_install "$TORCH_SPEC"
+fi
+pip_install -e ".[dev]"
+step "checking that torch, grpc and weightd import"
+.venv/bin/python -c "import torch, grpc, weightd.client, weightd.server.cli.main" \
+  || { echo "setup failed: see pip output above" >&2; exit 1; }
+echo "$stamp" > .venv/.weightd-setup
+step ".venv ready"

@@ -2,18 +2,78 @@
 # Quick start (1): set everything up, serve the built-in demo checkpoint, and fetch from it
 # the way an inference worker does. The daemon keeps serving until Ctrl-C
 # (pass --once to stop right after the client fetch).
+#
+# The demo's daemon listens on a socket of its own, in a fresh 0700 directory, so another
+# weightd on the default socket is neither used nor disturbed (WEIGHTD_DEMO_SOCKET names a
+# path instead; the demo then checks that the daemon answering there is the one it started).
+# WEIGHTD_PYTHON: an interpreter that already has weightd installed (skips the set-up).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash .ci/setup.sh
-sock=${WEIGHTD_DEMO_SOCKET:-$(.venv/bin/python -c 'from weightd.server.daemon.addresses import default_socket_path as p; print(p())')}
+if [ -n "${WEIGHTD_PYTHON:-}" ]; then
+  py=$WEIGHTD_PYTHON
+else
+  bash .ci/setup.sh
+  py=.venv/bin/python
+fi
+weightd() { "$py" -m weightd.server.cli.main "$@"; }
+
+rundir=$(mktemp -d "${TMPDIR:-/tmp}/weightd-demo.XXXXXX")
+sock=${WEIGHTD_DEMO_SOCKET:-$rundir/weightd.sock}
 target="unix://$sock"
-.venv/bin/weightd serve --listen "$target" &
+out="${TMPDIR:-/tmp}/weightd-demo-rank0-of-4.safetensors"
+
+# The daemon gets a process group of its own (set -m): a terminal's Ctrl-C then reaches
+# only this script, which stops the daemon with exactly one SIGTERM. In the script's
+# group, the daemon would get the terminal's SIGINT and then the clean-up's SIGTERM, and
+# count the two as "stop now, abort what is in flight".
+set -m
+"$py" -m weightd.server.cli.main serve --listen "$target" &
 daemon=$!
-trap 'kill -TERM $daemon 2>/dev/null || true; wait $daemon 2>/dev/null || true' EXIT
-.venv/bin/weightd health "$target" --wait 120 >/dev/null || { echo "the daemon did not become ready" >&2; exit 1; }
+set +m
+daemon_status=0
+reaped=
+
+stop_daemon() {
+  if [ -z "$reaped" ]; then
+    kill -TERM "$daemon" 2>/dev/null || true
+    daemon_status=0
+    wait "$daemon" 2>/dev/null || daemon_status=$?
+    reaped=1
+  fi
+}
+finish() {
+  local status=$?
+  trap - EXIT INT TERM HUP
+  stop_daemon
+  rm -rf "$rundir"
+  if [ "$status" = 0 ]; then status=$daemon_status; fi
+  exit "$status"
+}
+trap finish EXIT
+trap 'exit 0' INT TERM HUP # then finish: one SIGTERM, the drain, the daemon's exit status
+
+# Ready means: the daemon this script started is alive, holds the socket's lock, and
+# reports SERVING there (not some other weightd that answers on the same path).
+for _ in $(seq 240); do
+  if ! kill -0 "$daemon" 2>/dev/null; then
+    wait "$daemon" || daemon_status=$?
+    reaped=1
+    echo "the demo's daemon exited (status $daemon_status) before it was ready" >&2
+    exit 1
+  fi
+  if weightd health "$target" >/dev/null 2>&1; then break; fi
+  sleep 0.5
+done
+holder=$(cat "$sock.lock" 2>/dev/null || true)
+if ! kill -0 "$daemon" 2>/dev/null || [ "$holder" != "$daemon" ]; then
+  echo "another daemon (pid ${holder:-unknown}) is serving $target, not the demo's (pid $daemon)" >&2
+  exit 1
+fi
+weightd health "$target" >/dev/null || { echo "the daemon did not become ready" >&2; exit 1; }
+
 echo
 echo "== a worker (rank 1 of 2) fetches its slices from $target"
-.venv/bin/python - "$target" <<'PY'
+"$py" - "$target" <<'PY'
 import sys
 
 from weightd.client import WeightClient
@@ -30,10 +90,11 @@ print(f"  {len(state)} tensors, {got} of the model's {total} bytes")
 by = "this client" if info.transport == "grpc" else "the daemon, before sealing the shared pack"
 print(f"  served by {info.transport} ({info.reason}); every slice's SHA-256 verified by {by}")
 PY
-.venv/bin/weightd fetch "$target" --rank 0 --world-size 4 --out "${TMPDIR:-/tmp}/weightd-demo-rank0-of-4.safetensors"
+weightd fetch "$target" --rank 0 --world-size 4 --out "$out"
 if [ "${1:-}" = "--once" ]; then
   exit 0
 fi
 echo
 echo "weightd is serving the demo checkpoint on $target (Ctrl-C to stop)."
-wait $daemon
+wait "$daemon" || daemon_status=$?
+reaped=1

@@ -143,3 +143,14 @@ def test_user_tables_come_before_builtins(tmp_path: Path) -> None:
     assert bound is not None and bound.family == "mine"
     fake = fake_checkpoint(c, s)
     assert all(x.replicated for x in plan(fake.ckpt, bound, Layout(4, 1)).slices)
+
+
+def test_a_rule_refuses_a_name_it_would_read_differently_naming_its_file() -> None:
+    """Python's \\d matches non-ASCII digits and RE2's does not: such a name is refused,
+    quoting the file and rule, rather than matched differently (#15 item 1)."""
+    from weightd.server.base.errors import UnmatchableName
+
+    table = parse_table(doc(rules=[rule(match=r"\.w\d$")]), "mine.json")
+    assert table.rules[0].search("layer.w1") is not None
+    with pytest.raises(UnmatchableName, match=r"from mine\.json rules\[0\]\.match"):
+        table.rules[0].search("layer.w\u0661")

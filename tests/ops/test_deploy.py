@@ -66,11 +66,12 @@ def test_kubernetes_manifests_validate_against_the_schemas() -> None:
         "daemonset-cuda-ipc.yaml",
         "daemonset-s3.yaml",
         "service.yaml",
+        "networkpolicy.yaml",
     }
     done = _validate(*MANIFESTS)
     assert done.returncode == 0, done.stdout + done.stderr
     resources = sum(len([d for d in yaml.safe_load_all(p.read_text()) if d]) for p in MANIFESTS)
-    assert resources == 6
+    assert resources == 7
     assert (
         done.stdout.count("passed for resource") + done.stderr.count("passed for resource")
         == resources
@@ -107,9 +108,28 @@ def test_daemonset_shape(name: str, host_ipc: bool) -> None:
     health_port = int(args[args.index("--health-listen") + 1].rsplit(":", 1)[1])
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == health_port
+    # Busy is not dead: liveness asks the service that does not follow capacity.
+    assert container["livenessProbe"]["grpc"]["service"] == "weightd.v1.Liveness"
+    # TCP listeners bind the pod's own address, never every interface.
+    for flag in ("--health-listen", "--metrics-listen"):
+        assert args[args.index(flag) + 1].startswith("$(POD_IP):"), flag
+    (env,) = [e for e in container["env"] if e["name"] == "POD_IP"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     # Admin is not in the socket directory the workers share.
     admin = args[args.index("--admin-listen") + 1]
     assert not admin.startswith("unix:///run/weightd/")
+
+
+def test_metrics_are_admitted_only_from_the_monitoring_namespace() -> None:
+    (policy,) = yaml.safe_load_all((DEPLOY / "kubernetes" / "networkpolicy.yaml").read_text())
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "weightd"}
+    assert spec["policyTypes"] == ["Ingress"]
+    by_port = {r["ports"][0]["port"]: r.get("from") for r in spec["ingress"]}
+    assert set(by_port) == {9464, 7071}
+    assert by_port[9464] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
 
 
 def test_s3_daemonset_has_credentials_identity_and_a_cache_volume() -> None:

@@ -1,10 +1,14 @@
 """The weightd client: ``WeightClient(target).fetch(rank, world_size)``.
 
 Imports only grpcio, protobuf and torch (plus the standard library), so a worker
-needs none of the daemon's dependencies.
+needs none of the daemon's dependencies. torch loads with the first call that makes
+tensors (and with the names below that need it), not with the package: ``weightd
+list`` and ``describe`` take a fraction of a second instead of torch's import time.
 """
 
-from .admin import AdminClient, ReloadResult
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .client import WeightClient
 from .descriptions import ModelDescription, ModelInfo, TensorInfo
 from .errors import (
@@ -21,10 +25,26 @@ from .errors import (
     WeightdError,
 )
 from .layout import Layout
-from .resumable import ResumeReport
 from .retry import RetryPolicy, RetryStats
 from .tls import tls_credentials
 from .transports import FetchInfo, PackRef, TransportFailure
+
+if TYPE_CHECKING:
+    from .admin import AdminClient, ReloadResult
+    from .resumable import ResumeReport
+
+#: Names whose modules import torch, loaded on first use (PEP 562).
+_WITH_TORCH = {"AdminClient": ".admin", "ReloadResult": ".admin", "ResumeReport": ".resumable"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WITH_TORCH.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AbortedError",

@@ -105,16 +105,12 @@ class AdapterService:
         expected = expected_digest or None
         roots, registry = self.roots, self.registry
 
-        def admit(nbytes: int) -> None:
-            registry.check_room(name, nbytes)
+        def room(n: int) -> None:
+            registry.check_room(name, n)
 
+        loader = lambda: load_adapter(source_dir, roots, base, expected, room)  # noqa: E731
         if is_remote(source_dir):
-            loader = self._remote_loader(source_dir, base, expected, admit)
-        else:
-
-            def loader() -> LoadedAdapter:
-                return load_adapter(source_dir, roots, base, expected, admit)
-
+            loader = self._remote_loader(source_dir, base, expected, room)
         registry.load(name, f"{base.name}\0{source_dir}", expected, loader)
         return self.state(name)
 
@@ -123,7 +119,7 @@ class AdapterService:
         source: str,
         base: Checkpoint,
         expected: str | None,
-        admit: Callable[[int], None],
+        room: Callable[[int], None],
     ) -> Callable[[], LoadedAdapter]:
         """Download (or find cached) the ``s3://`` adapter, then load it as a local one."""
         resolver = self.resolver
@@ -133,7 +129,7 @@ class AdapterService:
 
         def load() -> LoadedAdapter:
             directory, root = resolver.resolve_adapter(source, remote_roots, expected)
-            return load_adapter(directory, [root], base, expected, admit)
+            return load_adapter(directory, [root], base, expected, room)
 
         return load
 

@@ -627,6 +627,14 @@ class UsageError(WeightdError):
     code = Code.INVALID_ARGUMENT
 
 
+class DaemonUnreachable(WeightdError):
+    """A client command found no daemon at its target: no socket there, nothing listening,
+    a name that does not resolve. Said as such (with what to check), not as gRPC's raw
+    ``connect failed``, so the user knows the daemon was never asked."""
+
+    code = Code.UNAVAILABLE
+
+
 def status_for(error: BaseException) -> tuple[Code, str]:
     """The status a failure answers with. The only place codes are chosen."""
     if isinstance(error, WeightdError):

@@ -8,12 +8,15 @@ running daemon over gRPC, most of them through ``weightd.client`` (and so torch)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
 from ..base.errors import WeightdError
+from .targets import daemon_target, missing_socket, not_connected, unreachable
 
 
 def add_fetch_parser(sub: Any) -> None:
@@ -71,6 +74,27 @@ def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
         raise WeightdError(str(exc)) from None
 
 
+@contextlib.contextmanager
+def _daemon_at(text: str) -> Iterator[str]:
+    """The gRPC target for ``text``; "no daemon there" said plainly, before and during calls.
+
+    Only a failure to connect becomes :class:`DaemonUnreachable`; an UNAVAILABLE the
+    daemon answered itself (a model still verifying) keeps its own words.
+    """
+    from weightd.client.errors import UnavailableError
+
+    target = daemon_target(text)
+    missing = missing_socket(target)
+    if missing is not None:
+        raise missing
+    try:
+        yield target
+    except UnavailableError as exc:
+        if not_connected(exc.detail):
+            raise unreachable(target, exc.detail) from None
+        raise
+
+
 def run_fetch(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
@@ -79,7 +103,10 @@ def run_fetch(args: argparse.Namespace) -> int:
     from ..base.atomicio import atomic_output
 
     creds = _credentials(args)
-    with WeightClient(args.target, timeout=args.timeout, credentials=creds) as client:
+    with (
+        _daemon_at(args.target) as target,
+        WeightClient(target, timeout=args.timeout, credentials=creds) as client,
+    ):
         state = client.fetch(args.rank, args.world_size, model=args.model, names=args.names)
     # Written aside and renamed: a full disk leaves the previous file, no partial one.
     with atomic_output(args.out) as tmp:
@@ -97,7 +124,10 @@ def run_fetch(args: argparse.Namespace) -> int:
 def run_list(args: argparse.Namespace) -> int:
     from weightd.client import WeightClient
 
-    with WeightClient(args.target, credentials=_credentials(args)) as client:
+    with (
+        _daemon_at(args.target) as target,
+        WeightClient(target, credentials=_credentials(args)) as client,
+    ):
         for m in client.list_models():
             state = "ready" if m.ready else "not ready"
             if m.state and m.state not in ("ready", "loading"):
@@ -110,7 +140,10 @@ def run_list(args: argparse.Namespace) -> int:
 def run_describe(args: argparse.Namespace) -> int:
     from weightd.client import WeightClient
 
-    with WeightClient(args.target, credentials=_credentials(args)) as client:
+    with (
+        _daemon_at(args.target) as target,
+        WeightClient(target, credentials=_credentials(args)) as client,
+    ):
         d = client.describe(args.model)
     if args.json:
         print(
@@ -137,13 +170,9 @@ def run_health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2
 
     deadline = time.monotonic() + args.wait
-    status = "UNREACHABLE"
+    target = daemon_target(args.target)
     creds = _credentials(args)
-    channel = (
-        grpc.insecure_channel(args.target)
-        if creds is None
-        else grpc.secure_channel(args.target, creds)
-    )
+    channel = grpc.insecure_channel(target) if creds is None else grpc.secure_channel(target, creds)
     with channel:
         # Called by method path: the typeshed stub of HealthStub lacks its methods.
         check = channel.unary_unary(
@@ -152,23 +181,41 @@ def run_health(args: argparse.Namespace) -> int:
             response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
         while True:
-            try:
-                reply = check(health_pb2.HealthCheckRequest(service=args.service), timeout=2)
-                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.RpcError as exc:
-                status = f"UNREACHABLE ({exc.code().name})"
+            missing = missing_socket(target)
+            if missing is not None:
+                status = f"UNREACHABLE ({missing})"
+            else:
+                try:
+                    reply = check(health_pb2.HealthCheckRequest(service=args.service), timeout=2)
+                    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                except grpc.RpcError as exc:
+                    status = health_failure(target, args.service, exc.code(), exc.details() or "")
             if status == "SERVING" or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
-    print(f"{args.target} {args.service or '(overall)'}: {status}")
+    print(f"{target} {args.service or '(overall)'}: {status}")
     return 0 if status == "SERVING" else 1
+
+
+def health_failure(target: str, service: str, code: grpc.StatusCode, detail: str) -> str:
+    """What a failed health ``Check`` means: only a call that reached no daemon is
+    UNREACHABLE; any other code is the daemon's own answer, and is said to be."""
+    if code == grpc.StatusCode.NOT_FOUND:
+        return f"NOT_FOUND (the daemon answered: it has no health status for {service!r})"
+    silent = code == grpc.StatusCode.DEADLINE_EXCEEDED
+    if silent or (code == grpc.StatusCode.UNAVAILABLE and not_connected(detail)):
+        return f"UNREACHABLE ({unreachable(target, f'{code.name}: {detail}')})"
+    return f"{code.name} (the daemon answered: {detail})"
 
 
 def run_reload(args: argparse.Namespace) -> int:
     from weightd.client import AdminClient
 
     creds = _credentials(args)
-    with AdminClient(args.target, timeout=args.timeout, credentials=creds) as admin:
+    with (
+        _daemon_at(args.target) as target,
+        AdminClient(target, timeout=args.timeout, credentials=creds) as admin,
+    ):
         r = admin.reload(args.model)
     print(
         f"reloaded {r.model}: {r.num_tensors} tensors, {r.total_bytes} bytes verified in "

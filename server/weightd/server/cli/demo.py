@@ -104,9 +104,19 @@ def write_demo_checkpoint(directory: str) -> None:
     write_llama_checkpoint(directory, DEMO_CONFIG)
 
 
+def demo_checkpoint_path(cache_dir: str) -> str:
+    """Where the demo checkpoint lives under ``cache_dir`` (nothing is created).
+
+    The directory is named ``DEMO_NAME`` (the version is its parent), because a model's
+    default name is its directory's name: ``serve`` with no ``--model`` and ``serve
+    --model`` on this path must serve the same name.
+    """
+    return os.path.join(cache_dir, "demo", DEMO_VERSION, DEMO_NAME)
+
+
 def ensure_demo_checkpoint(cache_dir: str) -> str:
     """The demo checkpoint's directory under ``cache_dir``, created atomically if missing."""
-    target = os.path.join(cache_dir, "demo", f"{DEMO_NAME}-{DEMO_VERSION}")
+    target = demo_checkpoint_path(cache_dir)
     if os.path.isdir(target):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -61,12 +62,26 @@ def _parser() -> argparse.ArgumentParser:
         f"(default: unix://{default_socket_path()})",
     )
     s.add_argument(
+        "--socket-group-access",
+        action="store_true",
+        help="worker and side sockets 0660 in a 0750 directory, so members of the daemon's "
+        "group may connect (default: 0600 in 0700, this user only; admin stays 0600)",
+    )
+    s.add_argument(
         "--insecure",
         action="store_true",
         help="allow TCP without TLS (logged loudly; off loopback, weights cross the network "
         "in clear)",
     )
     s.add_argument("--chunk-bytes", type=int, default=1 << 20, help="tensor bytes per message")
+    s.add_argument(
+        "--fetch-rehash",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hash each slice again as a Fetch sends it and compare with the anchored digest "
+        "(default); --no-fetch-rehash relies on the shard descriptors' fstat and the "
+        "client's own digest check (docs/grpc-throughput.md)",
+    )
     s.add_argument(
         "--adapter-root",
         action="append",
@@ -182,8 +197,14 @@ def _add_ops_args(s: argparse.ArgumentParser) -> None:
         "--max-stream-seconds",
         type=float,
         default=3600.0,
-        help="cancel a Fetch stream running longer than this, whatever the client's deadline "
-        "(0: no cap)",
+        help="end any server stream (Fetch, FetchAdapter, watches) running longer than this, "
+        "whatever the client's deadline (0: no cap)",
+    )
+    s.add_argument(
+        "--stream-idle-seconds",
+        type=float,
+        default=60.0,
+        help="cancel a server stream whose client has taken no message for this long (0: off)",
     )
 
 
@@ -225,25 +246,24 @@ def _serve(args: argparse.Namespace) -> int:
     from ..sources.location import default_model_name, is_remote, parse_s3_uri
     from ..transports.options import from_arguments
     from .demo import DEMO_NAME, ensure_demo_checkpoint
+    from .preflight import check_serve
     from .source_options import from_arguments as source_options
 
     models: list[tuple[str | None, str]] = args.model or []
-    if not models:
-        path = ensure_demo_checkpoint(_cache_dir(args.cache_dir))
-        log.info("no --model given: serving the built-in demo checkpoint at %s", path)
-        models = [(DEMO_NAME, path)]
     for _, source in [*models, *((None, r) for r in args.adapter_roots)]:
         if is_remote(source):
             parse_s3_uri(source)  # a malformed location fails here, in one line
-    names = [name or default_model_name(d) for name, d in models]
+    names = [name or default_model_name(d) for name, d in models] or [DEMO_NAME]
     verify = serve_verify_options(args, names, _cache_dir(args.cache_dir))
     config = ServeConfig(
         models=models,
         listen=args.listen or f"unix://{default_socket_path()}",
         insecure=args.insecure,
+        socket_group_access=args.socket_group_access,
         max_workers=args.max_workers,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         chunk_bytes=args.chunk_bytes,
+        fetch_rehash=args.fetch_rehash,
         grace_seconds=args.grace,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
@@ -254,6 +274,7 @@ def _serve(args: argparse.Namespace) -> int:
         health_listen=args.health_listen,
         reflection=args.reflection,
         max_stream_seconds=args.max_stream_seconds,
+        stream_idle_seconds=args.stream_idle_seconds,
         rules_files=args.rules,
         verify=verify,
         local=from_arguments(args),
@@ -262,6 +283,13 @@ def _serve(args: argparse.Namespace) -> int:
         adapter_budget_bytes=args.adapter_budget_bytes,
         sources=source_options(args, _cache_dir(args.cache_dir)),
     )
+    # Everything named on the command line is checked before a socket is bound or a
+    # line logged: a typo is one line, and leaves no socket directory behind.
+    check_serve(config, names)
+    if not models:
+        path = ensure_demo_checkpoint(_cache_dir(args.cache_dir))
+        log.info("no --model given: serving the built-in demo checkpoint at %s", path)
+        config.models = [(DEMO_NAME, path)]
     return serve(config)
 
 
@@ -270,8 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..telemetry.logs import setup_logging
 
     setup_logging(getattr(args, "log_level", "INFO"), json_lines=getattr(args, "log_json", False))
-    # Only the client commands import the client (and so torch): verify, manifest and
-    # serve start seconds faster without it.
+    # Only the client commands import the client (and fetch torch, to make tensors):
+    # verify, manifest, serve, list and describe start seconds faster without it.
     explained: tuple[type[Exception], ...] = (WeightdError,)
     if args.command in ("fetch", "list", "describe", "reload"):
         from weightd.client.errors import WeightdError as ClientError
@@ -279,32 +307,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         explained = (WeightdError, ClientError)
 
     try:
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "fetch":
-            return run_fetch(args)
-        if args.command == "plan":
-            return _plan(args)
-        if args.command == "list":
-            return run_list(args)
-        if args.command == "describe":
-            return run_describe(args)
-        if args.command == "health":
-            return run_health(args)
-        if args.command == "reload":
-            return run_reload(args)
-        if args.command == "verify":
-            return run_verify(args)
-        if args.command == "manifest":
-            return run_manifest(args)
-        print(_demo_path(args))
-        return 0
+        status = _dispatch(args)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe cannot be caught
+        return status
+    except BrokenPipeError:
+        return _output_closed()
     except explained as exc:
         print(f"weightd {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"weightd {args.command}: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "fetch":
+        return run_fetch(args)
+    if args.command == "plan":
+        return _plan(args)
+    if args.command == "list":
+        return run_list(args)
+    if args.command == "describe":
+        return run_describe(args)
+    if args.command == "health":
+        return run_health(args)
+    if args.command == "reload":
+        return run_reload(args)
+    if args.command == "verify":
+        return run_verify(args)
+    if args.command == "manifest":
+        return run_manifest(args)
+    print(_demo_path(args))
+    return 0
+
+
+def _output_closed() -> int:
+    """Whoever read our output stopped (``weightd describe ... | head``): exit quietly.
+
+    What is still buffered can never be written; stdout is pointed at /dev/null so the
+    interpreter's final flush does not print a second complaint. The status is a shell's
+    for a process ended by SIGPIPE, so ``set -o pipefail`` still sees the cut.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _demo_path(args: argparse.Namespace) -> str:

@@ -126,7 +126,8 @@ def _problem_record(p: WeightdError) -> dict[str, str]:
     return record
 
 
-def _report_text(v: Verification) -> list[str]:
+def _report_text(v: Verification, trust_given: bool) -> list[str]:
+    """The human report; ``trust_given``: a manifest, key or HF cache check was asked for."""
     lines = [f"weightd verify {v.root} ({v.name})"]
     ckpt = v.checkpoint
     if ckpt is not None:
@@ -147,7 +148,11 @@ def _report_text(v: Verification) -> list[str]:
             lines.append(f"             {v.files[name].sha256}  {name}")
     for t in v.trust:
         lines.append(f"  trust      {t}")
-    if not v.trust:
+    if not v.trust and trust_given:
+        # What was asked for failed (a bad signature, an unreadable manifest): the problem
+        # lines say why. "none given" here would read as if no trust had been asked for.
+        lines.append("  trust      NOT ESTABLISHED: the trust given did not verify (see problems)")
+    elif not v.trust:
         lines.append(
             "  trust      none given: digests prove the files are intact, not who made them"
         )
@@ -193,7 +198,8 @@ def run_verify(args: argparse.Namespace) -> int:
             }
             print(json.dumps(doc, indent=1, sort_keys=True))
         else:
-            print("\n".join(_report_text(v)))
+            given = bool(args.manifest or args.trust_key or args.trust_hf_cache)
+            print("\n".join(_report_text(v, given)))
     finally:
         v.store.close()
     return 0 if v.ok else 1

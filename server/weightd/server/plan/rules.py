@@ -77,9 +77,11 @@ class Rule:
     stage: Stage | None = None
     parts: int = 2  # FUSED only: how many equal parts the output dim concatenates
     experts: Experts | None = None
+    #: Where the pattern came from ("FILE rules[3].match"), quoted if a name is refused.
+    source: str = field(default="a sharding rules table", compare=False)
 
     def search(self, name: str) -> Match | None:
-        return compiled(self.pattern).search(name)
+        return compiled(self.pattern, self.source).search(name)
 
     def matches(self, name: str) -> bool:
         return self.search(name) is not None

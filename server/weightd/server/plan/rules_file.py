@@ -119,7 +119,7 @@ def _rule(path: str, i: int, doc: object, has_attention: bool, has_experts: bool
         raise RulesFileError(
             path, f"{where}.split {split.value!r} needs head counts: the table has no 'attention'"
         )
-    return Rule(compiled.text, split, stage, parts, experts)
+    return Rule(compiled.text, split, stage, parts, experts, compiled.source)
 
 
 def parse_table(doc: object, path: str) -> RuleTable:

@@ -18,18 +18,17 @@ memory (file mappings, page cache residency, GPU) is computed on scrape by
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Final
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from ..base import errors
+from .httpserver import MetricsHttpServer
 
 log = logging.getLogger("weightd.metrics")
 
@@ -177,10 +176,10 @@ class _BuildInfo:
 class MetricsServer:
     """The HTTP listener Prometheus scrapes (``/metrics``); separate from gRPC on purpose:
     scrapers need no gRPC, TLS or socket permissions, and a scrape never competes with
-    a Fetch for an RPC thread."""
+    a Fetch for an RPC thread. Bounded in threads, connections and time
+    (:mod:`.httpserver`)."""
 
-    server: WSGIServer
-    thread: threading.Thread
+    server: MetricsHttpServer
     host: str
     port: int
 
@@ -190,19 +189,18 @@ class MetricsServer:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
     """Start the metrics listener on ``host:port`` (port 0 picks a free one)."""
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        server = MetricsHttpServer(registry, host, port)
     except OSError as exc:
         raise errors.ListenError(
             f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
         ) from None
-    return MetricsServer(server, thread, host, int(server.server_port))
+    return MetricsServer(server, host, server.port)
 
 
 #: Downloads from object storage take seconds to hours (a 400 GB model over 1 Gb/s).

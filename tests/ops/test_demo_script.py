@@ -1,0 +1,145 @@
+"""deploy/demo.sh run for real (issue #15, items 14 and 15), out of process.
+
+It must fetch from the daemon it started even when another weightd serves the default
+socket, and one Ctrl-C (SIGINT to the whole process group, as a terminal sends it)
+must drain the daemon and exit 0. ``WEIGHTD_PYTHON`` makes the script use this
+interpreter instead of setting up ``.venv`` (the set-up has its own test).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_daemon
+from weightd.client import WeightClient
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+#: What the demo's worker prints for rank 1 of 2 of the demo checkpoint (39 tensors).
+DEMO_FETCH = "39 tensors, 5247488 of the model's 10490368 bytes"
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short directory: Unix socket paths under it must fit in 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="wd-demo-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One demo checkpoint for every run of the script (it is created once, then reused)."""
+    from weightd.server.cli.demo import ensure_demo_checkpoint
+
+    cache = tmp_path_factory.mktemp("demo-cache")
+    ensure_demo_checkpoint(str(cache))
+    return cache
+
+
+def _env(tmp: Path, cache: Path) -> dict[str, str]:
+    runtime = tmp / "xdg"  # the default socket lives here: $XDG_RUNTIME_DIR/weightd/
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    return dict(
+        os.environ,
+        WEIGHTD_PYTHON=sys.executable,
+        WEIGHTD_CACHE_DIR=str(cache),
+        XDG_RUNTIME_DIR=str(runtime),
+        TMPDIR=str(tmp),
+    )
+
+
+def test_demo_uses_its_own_daemon_when_another_serves_the_default_socket(
+    short_tmp: Path, demo_cache: Path, tmp_path: Path
+) -> None:
+    from weightd.server.cli.demo import DEMO_CONFIG, write_llama_checkpoint
+
+    env = _env(short_tmp, demo_cache)
+    other = tmp_path / "other"
+    write_llama_checkpoint(str(other), dict(DEMO_CONFIG, num_hidden_layers=1), shards=1)
+    default = f"unix://{env['XDG_RUNTIME_DIR']}/weightd/weightd.sock"
+    with run_daemon(tmp_path, [("other", other)], listen=default) as another:
+        done = subprocess.run(
+            ["bash", str(REPO / "deploy" / "demo.sh"), "--once"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "already serving" not in done.stderr, done.stderr
+        assert DEMO_FETCH in done.stdout, done.stdout
+        assert "serving models=llama-demo" in done.stderr
+        assert default not in done.stdout  # the worker fetched elsewhere
+        # ... and the other daemon was neither used nor disturbed.
+        with WeightClient(another.target, timeout=30) as client:
+            (info,) = client.list_models()
+            assert info.name == "other" and info.ready
+        assert "Fetch" not in another.log() and "built pack" not in another.log()
+    assert not list(short_tmp.glob("weightd-demo.*"))  # its socket directory is removed
+
+
+def test_demo_refuses_a_socket_another_daemon_holds(
+    short_tmp: Path, demo_cache: Path, tmp_path: Path
+) -> None:
+    """WEIGHTD_DEMO_SOCKET on another daemon's socket: an error, never its weights."""
+    env = _env(short_tmp, demo_cache)
+    with run_daemon(tmp_path, [], listen=f"unix://{short_tmp}/taken/w.sock") as another:
+        env["WEIGHTD_DEMO_SOCKET"] = another.target.removeprefix("unix://")
+        done = subprocess.run(
+            ["bash", str(REPO / "deploy" / "demo.sh"), "--once"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "fetches its slices" not in done.stdout
+    # Refused by the daemon (the socket's lock), or by the script (the lock's holder).
+    assert "already serving" in done.stderr or "another daemon (pid" in done.stderr
+
+
+def test_one_ctrl_c_drains_and_exits_zero(short_tmp: Path, demo_cache: Path) -> None:
+    process = subprocess.Popen(
+        ["bash", str(REPO / "deploy" / "demo.sh")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(short_tmp, demo_cache),
+        start_new_session=True,  # setsid: its own process group, as a terminal's job
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")))
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any("Ctrl-C to stop" in line for line in lines):
+            assert process.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: the whole group
+        assert process.wait(120) == 0, "".join(lines)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        reader.join(30)
+    out = "".join(lines)
+    assert "exit status=0 aborted=false" in out, out
+    assert "again" not in out and "aborting" not in out, out
+    assert not list(short_tmp.glob("weightd-demo.*"))
