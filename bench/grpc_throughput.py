@@ -13,7 +13,12 @@ fresh memory, as in a real worker), one stream at a time. Rows:
                   chunks" in PERFORMANCE.md).
   before          ``weightd serve`` and ``WeightClient.fetch(transport="grpc")`` from the
                   baseline source (``git archive`` of --baseline-rev: both sides old).
-  after           the same from this working tree (both sides new).
+  after-sha256    this working tree, both sides, the client keeping SHA-256 slice
+                  digests (``slice_digest="sha256"``: what a client without blake3 gets).
+  after           this working tree, both sides, defaults: BLAKE3 slice digests.
+  after-norehash  ``after`` against a daemon started with ``--no-fetch-rehash``.
+  streams-2/-4    ``after`` with ``fetch(..., streams=N)``: N concurrent streams (their
+                  GB/s is the whole fetch's, not one stream's).
   old-client      baseline client against the new daemon (compatibility, timed too).
   old-server      new client against the baseline daemon (compatibility, timed too).
 
@@ -24,9 +29,10 @@ is what bounds a stream, and CPU time is far less noisy than wall time. Each cli
 run checks it received every tensor (weightd verifies every slice's SHA-256).
 
     .venv/bin/python bench/grpc_throughput.py [--size-mb 400] [--world-size 2] [--repeat 5]
-        [--baseline-rev 57b8bc6] [--rows bare-raw,bare-pb,before,after] [--json FILE]
+        [--baseline-rev 2bd4002] [--rows bare-raw,bare-pb,before,after] [--json FILE]
 
---baseline-rev is the commit before Fetch messages were hand-encoded (grpc-speed); the
+--baseline-rev is main before slice digests were negotiated (issue #19; 57b8bc6 is the
+one before Fetch messages were hand-encoded, grpc-speed); the
 "before"/"old-*" rows need it in the repository's history (``git archive``), the other
 rows do not. ``--smoke`` uses tiny tensor widths (tests/bench keeps the script working).
 Results and what the profiles showed: docs/grpc-throughput.md.
@@ -49,7 +55,24 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ROWS = ["bare-raw", "bare-pb", "before", "after", "old-client", "old-server"]
+ROWS = [
+    "bare-raw",
+    "bare-pb",
+    "before",
+    "after-sha256",
+    "after",
+    "after-norehash",
+    "streams-2",
+    "streams-4",
+    "old-client",
+    "old-server",
+]
+#: Client options of the rows run with this tree's client: (slice digest kind, streams).
+CLIENT_OPTS = {
+    "after-sha256": ("sha256", 1),
+    "streams-2": ("", 2),
+    "streams-4": ("", 4),
+}
 BARE_CHUNK = 1 << 20
 BARE_SERVICE = "weightd.bench.Bare"
 
@@ -84,14 +107,16 @@ def _wait_for(sock: Path, proc: subprocess.Popen[bytes], log: Path) -> None:
 
 
 def start_weightd(
-    directory: Path, run: Path, src: Path | None
+    directory: Path, run: Path, src: Path | None, extra: list[str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``weightd serve`` from ``src`` (None: this tree) on a private socket, once serving."""
     from bench.run import start_daemon
 
     run.mkdir(mode=0o700)
     log = run.parent / f"{run.name}.log"
-    daemon = start_daemon(directory, f"unix://{run / 'weightd.sock'}", log, env=_env(src))
+    daemon = start_daemon(
+        directory, f"unix://{run / 'weightd.sock'}", log, extra=extra, env=_env(src)
+    )
     return daemon.process, daemon.target
 
 
@@ -176,11 +201,15 @@ def child(args: argparse.Namespace) -> None:
     else:
         import weightd.client
 
-        client = weightd.client.WeightClient(args.target, timeout=600)
+        opts: dict[str, Any] = {}
+        if args.slice_digest:
+            opts["slice_digest"] = args.slice_digest
+        client = weightd.client.WeightClient(args.target, timeout=600, **opts)
         client.list_models()  # connected before the clock starts
+        more = {"streams": args.streams} if args.streams > 1 else {}
         started_cpu = resource.getrusage(resource.RUSAGE_SELF)
         started = time.perf_counter()
-        state = client.fetch(args.rank, args.world_size, transport="grpc")
+        state = client.fetch(args.rank, args.world_size, transport="grpc", **more)
         seconds = time.perf_counter() - started
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         tensors = len(state)
@@ -194,6 +223,7 @@ def run_client(
     row: str, target: str, src: Path | None, server_pid: int, args: argparse.Namespace
 ) -> dict[str, float]:
     kind = row if row.startswith("bare") else "weightd"
+    digest, streams = CLIENT_OPTS.get(row, ("", 1))
     cpu_before = _cpu_seconds(server_pid)
     done = subprocess.run(
         [
@@ -207,6 +237,10 @@ def run_client(
             str(args.rank),
             "--world-size",
             str(args.world_size),
+            "--slice-digest",
+            digest,
+            "--streams",
+            str(streams),
         ],
         capture_output=True,
         text=True,
@@ -242,11 +276,13 @@ def main() -> None:
     from bench.checkpoint import add_rank_bench_args, warm_rank_checkpoint
 
     add_rank_bench_args(p)
-    p.add_argument("--baseline-rev", default="57b8bc6", help="'before' source (git revision)")
+    p.add_argument("--baseline-rev", default="2bd4002", help="'before' source (git revision)")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of rows")
     p.add_argument("--json", type=Path, default=None, help="also write the raw runs here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--target", default="", help=argparse.SUPPRESS)
+    p.add_argument("--slice-digest", default="", help=argparse.SUPPRESS)
+    p.add_argument("--streams", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--bare-server", help=argparse.SUPPRESS)
     p.add_argument("--bare-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -272,12 +308,22 @@ def main() -> None:
             if any(r in rows for r in ("before", "old-server")):
                 servers["old"] = start_weightd(directory, work / "old", old_src)
                 procs.append(servers["old"][0])
-            if any(r in rows for r in ("after", "old-client")):
+            new_rows = ("after", "after-sha256", "old-client", "streams-2", "streams-4")
+            if any(r in rows for r in new_rows):
                 servers["new"] = start_weightd(directory, work / "new", None)
                 procs.append(servers["new"][0])
+            if "after-norehash" in rows:
+                servers["norehash"] = start_weightd(
+                    directory, work / "norehash", None, ["--no-fetch-rehash"]
+                )
+                procs.append(servers["norehash"][0])
             plan: dict[str, tuple[str, Path | None]] = {
                 "before": ("old", old_src),
+                "after-sha256": ("new", None),
                 "after": ("new", None),
+                "after-norehash": ("norehash", None),
+                "streams-2": ("new", None),
+                "streams-4": ("new", None),
                 "old-client": ("new", old_src),
                 "old-server": ("old", None),
             }
@@ -332,7 +378,7 @@ def report(
         return statistics.median(x[key] for x in runs[row])
 
     gbps = {r: statistics.median(x["bytes"] / x["seconds"] / 1e9 for x in runs[r]) for r in rows}
-    ref = "bare-pb" if "bare-pb" in rows else rows[0]
+    ref = "bare-raw" if "bare-raw" in rows else rows[0]
     base = "before" if "before" in rows and ref != "before" else None
     print(
         f"\nOne stream, TP={args.world_size} rank {args.rank}, {nbytes / 1e6:.0f} MB, Unix socket, "

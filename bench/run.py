@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import importlib.util
 import json
 import mmap
 import os
@@ -38,7 +39,21 @@ import numpy as np
 from bench.checkpoint import SMOKE, TINYLLAMA, make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = ["read-everything", "lazy-mmap", "best-local"]
+PEERS = ["read-everything", "lazy-mmap", "best-local", "runai-streamer", "fastsafetensors"]
+#: Peers that need a package of their own (the ``bench`` extra); skipped when it is absent.
+PEER_PACKAGES = {"runai-streamer": "runai_model_streamer", "fastsafetensors": "fastsafetensors"}
+
+
+def available_peers() -> list[str]:
+    """The peers whose packages are importable here, in :data:`PEERS` order."""
+    out = []
+    for peer in PEERS:
+        package = PEER_PACKAGES.get(peer)
+        if package is None or importlib.util.find_spec(package) is not None:
+            out.append(peer)
+        else:
+            print(f"peer {peer} skipped: {package} is not installed (pip install '.[bench]')")
+    return out
 
 
 # --- page cache ------------------------------------------------------------------------
@@ -362,18 +377,24 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
 
     groups = sorted({(r["world_size"], r["cache"]) for r in rows})
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 2 * len(groups) + 2), 4))
+    fig, (ax, mem) = plt.subplots(2, 1, figsize=(max(7, 2.2 * len(groups) + 3), 8), sharex=True)
     width = 0.8 / len(cases)
     for i, case in enumerate(cases):
-        ys = []
+        ys, ms = [], []
         for g in groups:
             match = [r for r in rows if (r["world_size"], r["cache"]) == g and r["case"] == case]
             ys.append(match[0]["median_s"] if match else 0)
-        ax.bar([j + i * width for j in range(len(groups))], ys, width, label=case)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
-    ax.set_xticklabels([f"TP={ws} {cache}" for ws, cache in groups])
-    ax.set_ylabel("seconds until every rank holds its weights (median)")
-    ax.legend(fontsize=8)
+            # Own (anonymous) memory per worker: its private copy, not shared pages.
+            ms.append(match[0]["sum_anon_delta"] / g[0] / 1e6 if match else 0)
+        xs = [j + i * width for j in range(len(groups))]
+        ax.bar(xs, ys, width, label=case)
+        mem.bar(xs, ms, width, label=case)
+    mem.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    mem.set_xticklabels([f"TP={ws} {cache}" for ws, cache in groups])
+    ax.set_ylabel("seconds until every rank\nholds its weights (median)")
+    ax.set_yscale("log")
+    mem.set_ylabel("private (anonymous) memory\nper worker, MB")
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -425,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     tcp = start_daemon(
         ckpt, "127.0.0.1:0", work / "daemon-tcp.log", ["--insecure", "--admin-listen", "none"]
     )
-    cases = [Case(n) for n in PEERS] + [
+    cases = [Case(n) for n in available_peers()] + [
         Case("weightd-grpc-unix", unix.target, "grpc"),
         Case("weightd-grpc-tcp", tcp.target, "grpc"),
         Case("weightd-shm", unix.target, "shm"),

@@ -63,6 +63,26 @@ def load_peer(case: str, ckpt: Path, rank: int, ws: int) -> dict[str, torch.Tens
     config = json.loads((ckpt / "config.json").read_text())
     shards = sorted(ckpt.glob("*.safetensors"))
     out: dict[str, torch.Tensor] = {}
+    if case == "runai-streamer":
+        # Run:ai's streamer as its users call it on CPU: one stream_files call for all
+        # shards (its concurrent readers fill reused buffers), then slice and keep a copy.
+        from runai_model_streamer import SafetensorsStreamer
+
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files([str(s) for s in shards])
+            for name, t in streamer.get_tensors():
+                out[name] = _part(t, split_of(name, config, ws, rank))
+        return out
+    if case == "fastsafetensors":
+        # fastsafetensors on CPU without GPUDirect: every shard read into its buffers,
+        # tensors handed out as views of them; slice and keep a copy.
+        from fastsafetensors import fastsafe_open
+
+        paths = [str(s) for s in shards]
+        with fastsafe_open(filenames=paths, nogds=True, device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - not a dict
+                out[name] = _part(f.get_tensor(name), split_of(name, config, ws, rank))
+        return out
     if case in ("read-everything", "lazy-mmap"):
         backend = "pread" if case == "read-everything" else "mmap"
         for shard in shards:

@@ -34,8 +34,17 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def budget(lora: Fixture) -> int:
-    """Room for exactly 8 copies of the "second" adapter (r=8)."""
-    return 8 * (lora.second_dir / "adapter_model.safetensors").stat().st_size + 1024
+    """Room for exactly 8 copies of the "second" adapter (r=8): weights and config."""
+    return 8 * _held_bytes(lora.second_dir) + 1024
+
+
+def _held_bytes(adapter_dir: Path) -> int:
+    """What one loaded version counts against the budget: its weights file and its config
+    (the parsed form is kept)."""
+    return sum(
+        (adapter_dir / name).stat().st_size
+        for name in ("adapter_model.safetensors", "adapter_config.json")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +205,7 @@ def test_metrics_follow_load_replace_unload_evict_reject(
     def delta(name: str) -> float:
         return metrics(daemon).get(name, 0.0) - before.get(name, 0.0)
 
-    second_bytes = (lora.second_dir / "adapter_model.safetensors").stat().st_size
+    second_bytes = _held_bytes(lora.second_dir)
     admin.load_adapter("m", str(lora.adapter_dir))
     admin.load_adapter("m", str(lora.second_dir))  # replace
     with pytest.raises(Exception, match="outside the adapter roots"):

@@ -30,7 +30,9 @@ from weightd.server.base.errors import (
     DigestMismatchError,
     DuplicateKeyError,
     MissingFileError,
+    OutsideRootError,
     PathEscapeError,
+    RequestPathError,
     UnsupportedAdapterFeature,
 )
 from weightd.server.checkpoint.description import Checkpoint
@@ -140,6 +142,8 @@ CASES: list[tuple[str, Callable[[Path], None], type[Exception], str]] = [
     ("base-mismatch", edit_config(base_model_name_or_path="meta-llama/Llama-3.1-8B"),
      AdapterBaseMismatch, "names base model 'meta-llama/Llama-3.1-8B', but it is being loaded "
      "on model 'tiny-llama'"),
+    ("base-with-nul", edit_config(base_model_name_or_path="/models/tiny\x00llama"),
+     AdapterBaseMismatch, "names base model '/models/tiny\\x00llama'"),
     ("duplicate-key", duplicate_header_key, DuplicateKeyError, "duplicate tensor"),
     ("no-config", lambda d: (d / "adapter_config.json").unlink(), MissingFileError,
      "adapter_config.json: file does not exist"),
@@ -201,7 +205,7 @@ def test_bad_adapter_rejected(
 def test_outside_roots(lora: Fixture, base: Checkpoint, registry: AdapterRegistry) -> None:
     with pytest.raises(PathEscapeError, match="outside the adapter roots"):
         attempt(registry, lora, base, str(lora.base_dir))
-    with pytest.raises(PathEscapeError, match="outside the adapter roots"):
+    with pytest.raises(RequestPathError, match=r"has a '\.\.' component"):
         attempt(registry, lora, base, str(lora.root / ".." / "tiny-llama"))
 
 
@@ -212,14 +216,35 @@ def test_symlink_escapes(
     shutil.copytree(lora.adapter_dir, outside)
     link = lora.root / "linked-dir"
     os.symlink(outside, link)
-    with pytest.raises(PathEscapeError, match="outside the adapter roots"):
+    with pytest.raises(OutsideRootError, match="outside the adapter root"):
         attempt(registry, lora, base, str(link))
     d = lora.root / "linked-file"
     d.mkdir()
     shutil.copy(lora.adapter_dir / "adapter_config.json", d)
     os.symlink(outside / "adapter_model.safetensors", d / "adapter_model.safetensors")
-    with pytest.raises(PathEscapeError, match="outside the model directory"):
+    with pytest.raises(OutsideRootError, match="outside the adapter root"):
         attempt(registry, lora, base, str(d))
+
+
+def test_source_dir_relative_to_a_root_and_through_a_link_inside(
+    lora: Fixture, base: Checkpoint, tmp_path: Path
+) -> None:
+    """A name relative to an adapter root is looked up below each root in turn; a link
+    that stays inside the root is followed (by descriptor) and reported resolved."""
+    other_root = tmp_path / "empty-root"
+    other_root.mkdir()
+    roots = [str(other_root), str(lora.root)]
+    relative = load_adapter("good", roots, base)
+    assert relative.source == str(lora.adapter_dir.resolve())
+    link = lora.root / "current"
+    link.symlink_to("good")
+    try:
+        linked = load_adapter(str(link), roots, base)
+    finally:
+        link.unlink()
+    assert linked.source == relative.source and linked.digest == relative.digest
+    with pytest.raises(MissingFileError, match="adapter directory does not exist"):
+        load_adapter("absent", roots, base)
 
 
 def test_digest_mismatch(lora: Fixture, base: Checkpoint, registry: AdapterRegistry) -> None:

@@ -72,7 +72,7 @@ def test_regex_targets() -> None:
         ({"target_modules": []}, AdapterConfigError, "must be a non-empty list or a regex"),
         ({"target_modules": [""]}, AdapterConfigError, "must list non-empty names"),
         ({"target_modules": "all-linear"}, AdapterConfigError, "'all-linear'"),
-        ({"target_modules": "("}, AdapterConfigError, "is not a regex"),
+        ({"target_modules": "("}, AdapterConfigError, "is not a valid regex"),
         ({"rank_pattern": {"q_proj": 0}}, AdapterConfigError, "rank_pattern['q_proj']"),
         ({"rank_pattern": []}, AdapterConfigError, "field 'rank_pattern' must be an object"),
         ({"base_model_name_or_path": 3}, AdapterConfigError, "must be a string"),

@@ -59,7 +59,9 @@ def test_client_imports_and_fetches_without_server_dependencies(tmp_path: Path) 
                             "weightd.server"):
                 sys.modules[blocked] = None  # any import of these now fails
             from weightd.client import WeightClient
-            state = WeightClient({daemon.target!r}).fetch(0, 2)
+            client = WeightClient({daemon.target!r})
+            assert client.slice_digest == "sha256", client.slice_digest  # no blake3 here
+            state = client.fetch(0, 2)
             assert len(state) == 39, len(state)
             assert "numpy" not in {{m for m, v in sys.modules.items() if v is not None}}
             print("ok", sum(t.numel() for t in state.values()))

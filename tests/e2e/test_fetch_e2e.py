@@ -271,3 +271,39 @@ def test_unknown_tensor_name(client: WeightClient) -> None:
     with pytest.raises(NotFoundError) as err:
         client.fetch(0, 2, model="llama", names=["model.nope.weight"])
     assert "model.nope.weight" in err.value.detail
+
+
+# --- several streams per fetch (fetch(..., streams=N)) -----------------------------------
+
+
+@pytest.mark.parametrize("streams", [2, 3, 4])
+def test_streams_deliver_exactly_what_one_stream_does(client: WeightClient, streams: int) -> None:
+    one = client.fetch(1, 2, model="llama", transport="grpc")
+    many = client.fetch(1, 2, model="llama", transport="grpc", streams=streams)
+    assert list(many) == list(one)  # same tensors, same order (the description's)
+    for name, t in one.items():
+        assert many[name].dtype == t.dtype and many[name].shape == t.shape, name
+        assert torch.equal(many[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert client.last_resume is not None and client.last_resume.streams == streams
+    assert client.last_resume.received_bytes == sum(t.nbytes for t in one.values())
+
+
+def test_streams_with_names_fetch_only_those(client: WeightClient) -> None:
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    one = client.fetch(0, 2, model="llama", names=names, transport="grpc")
+    many = client.fetch(0, 2, model="llama", names=names, transport="grpc", streams=2)
+    assert list(many) == names
+    assert all(torch.equal(many[n].view(torch.uint8), one[n].view(torch.uint8)) for n in names)
+
+
+def test_a_failing_stream_fails_the_whole_fetch(client: WeightClient) -> None:
+    names = ["model.embed_tokens.weight", "model.norm.weight", "model.nope.weight"]
+    with pytest.raises(NotFoundError) as err:
+        client.fetch(0, 2, model="llama", names=names, transport="grpc", streams=3)
+    assert "model.nope.weight" in err.value.detail
+
+
+@pytest.mark.parametrize("streams", [0, 17])
+def test_streams_out_of_range_are_refused(client: WeightClient, streams: int) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"streams {streams}"):
+        client.fetch(0, 2, model="llama", transport="grpc", streams=streams)

@@ -155,3 +155,47 @@ def test_serve_refuses_a_bad_rules_file(tmp_path: Path) -> None:
         f"weightd serve: error: {rules}: rules[0].match '[' is not a valid regex: "
         "unterminated character set at position 0"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON: maximum recursion depth exceeded"),
+        (
+            json.dumps(
+                {"family": "x", "architectures": ["X"], "rules": [{"match": "a{4294967296}"}]}
+            ),
+            "rules[0].match 'a{4294967296}' is not a valid regex",
+        ),
+        (
+            json.dumps(
+                {
+                    "family": "x",
+                    "architectures": ["X"],
+                    "rules": [{"match": "(" * 5000 + ")" * 5000}],
+                }
+            ),
+            "rules[0].match '((((",
+        ),
+    ],
+    ids=["deep-json", "huge-repeat", "deep-regex"],
+)
+def test_a_hostile_rules_file_is_one_line(tmp_path: Path, text: str, problem: str) -> None:
+    """A rules file that broke Python's parsers (OverflowError, RecursionError: a
+    3,000-line traceback) is refused like any bad rules file: one line naming it."""
+    rules = tmp_path / "hostile.json"
+    rules.write_text(text)
+    done = subprocess.run(
+        weightd_command(
+            "serve", "--listen", f"unix://{tmp_path}/run/s.sock", "--rules", str(rules)
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"weightd serve: error: {rules}: ")
+    assert problem in last
+    assert len(last) < 600

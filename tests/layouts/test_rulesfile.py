@@ -48,6 +48,11 @@ BAD = [
     (doc(rules=[rule(), rule(what=1)]), "rules[1].what: unknown key"),
     (doc(rules=[rule(match="[")]), "rules[0].match '[' is not a valid regex"),
     (doc(rules=[rule(match="")]), "rules[0].match must be a non-empty regex string"),
+    # Patterns run on the linear-time engine: what it cannot run is refused (#15 item 1).
+    (doc(rules=[rule(), rule(match=r"(?=q)\.w$")]), "rules[1].match '(?=q)\\\\.w$' cannot be"),
+    (doc(rules=[rule(match=r"(\w)\1")]), "uses numeric escape"),
+    (doc(rules=[rule(match="a{4294967296}")]), "is not a valid regex"),
+    (doc(layers={"pattern": r"layers\.(?P<layer>\d{1,2000})\."}), "layers.pattern"),
     (
         doc(rules=[rule(split="colum")]),
         "rules[0].split is 'colum'; expected one of replicated, column",
@@ -138,3 +143,14 @@ def test_user_tables_come_before_builtins(tmp_path: Path) -> None:
     assert bound is not None and bound.family == "mine"
     fake = fake_checkpoint(c, s)
     assert all(x.replicated for x in plan(fake.ckpt, bound, Layout(4, 1)).slices)
+
+
+def test_a_rule_refuses_a_name_it_would_read_differently_naming_its_file() -> None:
+    """Python's \\d matches non-ASCII digits and RE2's does not: such a name is refused,
+    quoting the file and rule, rather than matched differently (#15 item 1)."""
+    from weightd.server.base.errors import UnmatchableName
+
+    table = parse_table(doc(rules=[rule(match=r"\.w\d$")]), "mine.json")
+    assert table.rules[0].search("layer.w1") is not None
+    with pytest.raises(UnmatchableName, match=r"from mine\.json rules\[0\]\.match"):
+        table.rules[0].search("layer.w\u0661")

@@ -64,11 +64,18 @@ def test_kubernetes_manifests_validate_against_the_schemas() -> None:
     assert {p.name for p in MANIFESTS} >= {
         "daemonset.yaml",
         "daemonset-cuda-ipc.yaml",
+        "daemonset-s3.yaml",
         "service.yaml",
+        "networkpolicy.yaml",
     }
     done = _validate(*MANIFESTS)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("passed for resource") + done.stderr.count("passed for resource") == 4
+    resources = sum(len([d for d in yaml.safe_load_all(p.read_text()) if d]) for p in MANIFESTS)
+    assert resources == 7
+    assert (
+        done.stdout.count("passed for resource") + done.stderr.count("passed for resource")
+        == resources
+    )
 
 
 def test_the_validator_does_reject_a_bad_manifest(tmp_path: Path) -> None:
@@ -101,9 +108,52 @@ def test_daemonset_shape(name: str, host_ipc: bool) -> None:
     health_port = int(args[args.index("--health-listen") + 1].rsplit(":", 1)[1])
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == health_port
+    # Busy is not dead: liveness asks the service that does not follow capacity.
+    assert container["livenessProbe"]["grpc"]["service"] == "weightd.v1.Liveness"
+    # TCP listeners bind the pod's own address, never every interface.
+    for flag in ("--health-listen", "--metrics-listen"):
+        assert args[args.index(flag) + 1].startswith("$(POD_IP):"), flag
+    (env,) = [e for e in container["env"] if e["name"] == "POD_IP"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     # Admin is not in the socket directory the workers share.
     admin = args[args.index("--admin-listen") + 1]
     assert not admin.startswith("unix:///run/weightd/")
+
+
+def test_metrics_are_admitted_only_from_the_monitoring_namespace() -> None:
+    (policy,) = yaml.safe_load_all((DEPLOY / "kubernetes" / "networkpolicy.yaml").read_text())
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "weightd"}
+    assert spec["policyTypes"] == ["Ingress"]
+    by_port = {r["ports"][0]["port"]: r.get("from") for r in spec["ingress"]}
+    assert set(by_port) == {9464, 7071}
+    assert by_port[9464] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+
+
+def test_s3_daemonset_has_credentials_identity_and_a_cache_volume() -> None:
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset-s3.yaml").read_text()))
+    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    assert "eks.amazonaws.com/role-arn" in account["metadata"]["annotations"]
+    pod = _daemonset("daemonset-s3.yaml")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    (container,) = pod["containers"]
+    (ref,) = container["envFrom"]
+    assert ref["secretRef"]["optional"] is True  # a workload identity needs no Secret
+    args = container["args"]
+    cache = args[args.index("--cache-dir") + 1]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts[cache]]["hostPath"]["path"] == cache  # survives pod restarts
+    assert args[args.index("--model") + 1].split("=", 1)[1].startswith("s3://")
+    assert args[args.index("--manifest") + 1].split("=", 1)[1].startswith("s3://")
+    assert not any("SECRET" in str(e.get("value", "")) for e in container.get("env", []))
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    health_port = int(args[args.index("--health-listen") + 1].rsplit(":", 1)[1])
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["grpc"]["port"] == health_port
+    assert not args[args.index("--admin-listen") + 1].startswith("unix:///run/weightd/")
 
 
 def test_dockerfile_is_multi_stage_and_runs_unprivileged() -> None:

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from weightd.server.base import errors
+from weightd.server.base.bounds import MAX_REPEATED, check_fields
 from weightd.server.daemon.addresses import Address
 from weightd.server.daemon.collectors import (
     GpuMemoryCollector,
@@ -31,16 +32,10 @@ from weightd.server.daemon.security import (
     check_tls_files,
     check_worker_listener,
 )
-from weightd.server.rpc.guards import (
-    MAX_FETCH_NAMES,
-    MAX_NAME_BYTES,
-    StreamWatchdog,
-    authorize,
-    check_fetch_bounds,
-    identities_from_auth_context,
-)
+from weightd.server.rpc.guards import authorize, identities_from_auth_context
 from weightd.server.rpc.interceptors import split_method
 from weightd.server.rpc.status import grpc_status
+from weightd.server.rpc.streams import StreamWatchdog
 from weightd.server.store.residency import (
     PAGE_BYTES,
     resident_bytes,
@@ -49,6 +44,7 @@ from weightd.server.store.residency import (
 )
 from weightd.server.telemetry.logs import JsonFormatter, event, format_event
 from weightd.server.telemetry.metrics import FAILURE_REASONS, failure_reason
+from weightd.v1 import weightd_pb2 as pb
 
 P = PAGE_BYTES
 
@@ -132,18 +128,20 @@ def test_residency_of_a_real_file_clamps_a_shrunken_file(tmp_path: Path) -> None
     ("model", "names", "needle"),
     [
         ("m", [], None),
-        ("m", ["a"] * MAX_FETCH_NAMES, None),
-        ("m", ["a"] * (MAX_FETCH_NAMES + 1), f"the limit is {MAX_FETCH_NAMES} per fetch"),
-        ("m", ["x" * (MAX_NAME_BYTES + 1)], f"the limit is {MAX_NAME_BYTES}"),
-        ("m" * 257, [], "model name is 257 bytes"),
+        ("m", ["a"] * MAX_REPEATED, None),
+        ("m", ["a"] * (MAX_REPEATED + 1), f"has {MAX_REPEATED + 1} elements; the limit is"),
+        ("m", ["x" * 1025], "field names is 1025 bytes"),
+        ("m" * 257, [], "field model is 257 bytes"),
     ],
 )
 def test_fetch_bounds(model: str, names: list[str], needle: str | None) -> None:
+    """Fetch's fields are bounded by the one request bound every RPC goes through."""
+    request = pb.FetchRequest(model=model, names=names)
     if needle is None:
-        check_fetch_bounds(model, names)
+        check_fields(request)
         return
     with pytest.raises(errors.RequestTooLarge, match=needle) as info:
-        check_fetch_bounds(model, names)
+        check_fields(request)
     assert grpc_status(info.value)[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -419,5 +417,25 @@ def test_watchdog_cancels_only_streams_past_the_cap() -> None:
             time.sleep(0.05)
         assert late.cancelled
         assert not released.cancelled
+    finally:
+        dog.close()
+
+
+def test_watchdog_cancels_only_streams_blocked_past_the_idle_bound() -> None:
+    dog = StreamWatchdog(0, idle_seconds=0.05)
+    stuck, moving, working = _FakeContext(), _FakeContext(), _FakeContext()
+    stuck_token = dog.watch(stuck, "stuck")  # type: ignore[arg-type]
+    moving_token = dog.watch(moving, "moving")  # type: ignore[arg-type]
+    dog.watch(working, "working")  # type: ignore[arg-type]  # never blocked: computing
+    dog.blocked(stuck_token)
+    try:
+        for _ in range(200):  # bounded wait for the watchdog thread
+            dog.blocked(moving_token)  # the client takes each message at once
+            dog.moving(moving_token)
+            if stuck.cancelled:
+                break
+            time.sleep(0.01)
+        assert stuck.cancelled
+        assert not moving.cancelled and not working.cancelled
     finally:
         dog.close()

@@ -42,7 +42,9 @@ __all__ = ["demo_model"]  # a fixture, used by name
 
 pytestmark = pytest.mark.e2e
 
-MAX_WORKERS = 32
+#: Stream slots (``--max-workers``): above the 24 held + 16 polite streams at once, since
+#: streams past the slots are refused (RESOURCE_EXHAUSTED), not queued behind the pool.
+MAX_WORKERS = 48
 POLITE_PROCS, PER_PROC = 4, 238
 KILLED_PROCS, HOLD = 2, 12
 #: Resident and private memory may differ from the baseline by this much afterwards

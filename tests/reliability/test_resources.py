@@ -172,8 +172,10 @@ def test_memory_budgets_refuse_precisely_and_the_daemon_keeps_serving(
     config = json.loads((lora.base_dir / "config.json").read_text())
     total = sum(t.numel() * t.element_size() for t in base.values())
 
-    def adapter_bytes(d: Path) -> int:  # what the registry holds: the weights file
-        return (d / "adapter_model.safetensors").stat().st_size
+    def adapter_bytes(d: Path) -> int:  # what the registry holds: the weights and config
+        return sum(
+            (d / f).stat().st_size for f in ("adapter_model.safetensors", "adapter_config.json")
+        )
 
     a, b = adapter_bytes(lora.adapter_dir), adapter_bytes(lora.second_dir)
     shm_budget = total * 3 // 4  # one rank of two fits, two do not

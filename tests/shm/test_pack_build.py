@@ -18,11 +18,13 @@ def _open_fds() -> set[int]:
     return {int(n) for n in os.listdir("/proc/self/fd")}
 
 
-def test_pack_holds_exactly_the_verified_slices(demo_model: Path) -> None:
+@pytest.mark.parametrize("huge_mode", [None, "advise", "never"])
+def test_pack_holds_exactly_the_verified_slices(demo_model: Path, huge_mode: str | None) -> None:
+    """Whatever the shmem huge-page mode (this kernel's, or allocation by advice forced)."""
     model = load_model(str(demo_model))
     try:
         plan = model.plan(2, 1)
-        pack = build_host_pack(model, plan, "test:tp2:r1")
+        pack = build_host_pack(model, plan, "test:tp2:r1", huge_mode=huge_mode)
         try:
             assert fcntl.fcntl(pack.fd, fcntl.F_GET_SEALS) == PACK_SEALS
             assert [e.name for e in pack.entries] == [s.name for s in plan.slices]

@@ -84,3 +84,34 @@ def test_two_workers_share_one_copy(daemon: RunningDaemon) -> None:
         assert d["pss_bytes"] < 0.6 * payload  # shared three ways (two workers, daemon)
     for d in grpc:
         assert d["private_bytes"] >= 0.9 * payload  # each gRPC worker holds its own copy
+
+
+@pytest.mark.parametrize("populate", [False, True])
+def test_populate_maps_every_page_at_fetch_and_copies_none(
+    daemon: RunningDaemon, populate: bool
+) -> None:
+    """``populate=True``: the fetch returns with the rank resident (RSS grows by about the
+    payload before anything is read) and still private memory does not (no page was
+    copied: read faults only); lazily (the default), RSS grows only when read. Either way
+    the bytes are the rank's, bit for bit (the digests match a gRPC fetch's)."""
+    with Worker() as w:
+        args = {"target": daemon.target, "rank": 1, "world_size": 2}
+        w.ok("fetch", **args, transport="shm", names=["model.norm.weight"], populate=populate)
+        w.ok("touch")
+        w.ok("drop")
+        before = w.ok("smaps")["smaps"]
+        reply = w.ok("fetch", **args, transport="shm", populate=populate)
+        mapped = w.ok("smaps")["smaps"]
+        got = w.ok("digests")["digests"]
+        w.ok("drop")
+        w.ok("fetch", **args, transport="grpc")
+        want = w.ok("digests")["digests"]
+    payload = reply["nbytes"]
+    resident = (mapped["Rss"] - before["Rss"]) * 1024
+    private = _private(mapped) - _private(before)
+    assert got == want
+    if populate:
+        assert resident > 0.9 * payload, (resident, payload)
+    else:
+        assert resident < 0.5 * payload, (resident, payload)
+    assert private < 0.1 * payload, (private, payload)

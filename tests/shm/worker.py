@@ -5,7 +5,7 @@ whatever it fetched until told to drop it, so tests can measure, restart daemons
 damage shard files, or kill it while it holds a lease.
 
     {"op": "fetch", "target": T, "rank": R, "world_size": N, "transport": "shm", "copy": false,
-     "names": null, "device": "cpu"}
+     "names": null, "device": "cpu", "populate": false}
     {"op": "touch"}        read every byte of every tensor (fault the pages in)
     {"op": "smaps"}        this process's /proc/self/smaps_rollup, in kB
     {"op": "digests"}      SHA-256 of every held tensor's bytes
@@ -53,7 +53,11 @@ def main() -> None:
         reply: dict[str, Any] = {"ok": True}
         try:
             if op in ("fetch", "attach"):
-                client = clients.setdefault(cmd["target"], WeightClient(cmd["target"], timeout=60))
+                populate = bool(cmd.get("populate", False))
+                key = f"{cmd['target']} populate={populate}"
+                if key not in clients:
+                    clients[key] = WeightClient(cmd["target"], timeout=60, populate=populate)
+                client = clients[key]
                 if op == "fetch":
                     state, info = client.fetch_with_info(
                         cmd["rank"],

@@ -21,19 +21,23 @@ returns; a tensor whose digest does not match is never handed out.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
+from weightd.common.digests import SLICE_DIGEST_ALGORITHM
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .descriptions import ModelDescription, ModelInfo, description_of, model_info_of
 from .errors import InvalidArgumentError, from_rpc_error
 from .fetchwire import RawFetchStub
+from .hashers import available_kinds, preferred_kind
 from .layout import Layout
 from .retry import RetryPolicy, RetryStats, call_with_retry
+from .streams import MAX_STREAMS, fetch_in_streams, merge_reports, split_by_bytes
 from .transports import FetchInfo, PackRef, Transport
 
 # torch (seconds to import) and the modules that make tensors load on the first call
@@ -64,6 +68,16 @@ class WeightClient:
     jitter, for a bounded time; a gRPC fetch cut short resumes from its last complete
     tensor. What retrying cost is in :attr:`retry_stats` and :attr:`last_resume`.
     ``on_tensor(index, name)`` is called after each tensor a gRPC fetch completed.
+
+    ``slice_digest``: the digest kind gRPC fetches ask the daemon for and check,
+    ``"blake3"`` or ``"sha256"``; None: BLAKE3 when the ``blake3`` package can be
+    imported (about 4x cheaper per byte on both sides), else SHA-256. A daemon that
+    predates the choice sends SHA-256, which is always accepted.
+
+    ``populate``: a shared-memory fetch returns with every page of the rank already
+    mapped in this process (``MADV_POPULATE_READ``) instead of faulting pages in as
+    they are first read. Off by default: measured here it costs the same in total
+    (``weightd.client.shm``), and a worker that reads only part of a rank pays less.
     """
 
     #: How the latest fetch was served (also returned by :meth:`fetch_with_info`).
@@ -79,7 +93,18 @@ class WeightClient:
         chunk_bytes: int = 0,
         retry: RetryPolicy | None = None,
         on_tensor: ProgressFn | None = None,
+        slice_digest: str | None = None,
+        populate: bool = False,
     ) -> None:
+        kind = preferred_kind() if slice_digest is None else slice_digest
+        if kind not in available_kinds():
+            raise InvalidArgumentError(
+                f"slice_digest {kind[:64]!r} cannot be checked here: this client has "
+                f"{', '.join(available_kinds())}"
+            )
+        #: The slice digest kind gRPC fetches ask for.
+        self.slice_digest = kind
+        self.populate = populate
         opts: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         if retry is not None:
             # gRPC's own reconnect backoff grows to 2 minutes; a restarted daemon must be
@@ -91,10 +116,12 @@ class WeightClient:
                 ("grpc.max_reconnect_backoff_ms", reconnect_ms),
             ]
         opts += options
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=opts)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=opts)
+        self._opts = opts
+        self._credentials = credentials
+        self._channel = self._new_channel(target, opts)
+        #: Extra connections for ``fetch(..., streams=N)``: stream i > 0 uses the i-th.
+        self._stream_channels: list[tuple[grpc.Channel, RawFetchStub]] = []
+        self._stream_lock = threading.Lock()
         self._stub = pb_grpc.WeightsStub(self._channel)
         #: Fetch with responses left as wire bytes, parsed without copying the payload.
         self._fetch_stub = RawFetchStub(self._channel)
@@ -108,11 +135,37 @@ class WeightClient:
         #: How the latest gRPC fetch went: streams, resumes, bytes sent again.
         self.last_resume: ResumeReport | None = None
 
+    def _new_channel(self, target: str, opts: list[tuple[str, Any]]) -> grpc.Channel:
+        if self._credentials is None:
+            return grpc.insecure_channel(target, options=opts)
+        return grpc.secure_channel(target, self._credentials, options=opts)
+
+    def _stream_stub(self, i: int) -> RawFetchStub:
+        """The Fetch stub stream ``i`` of a multi-stream fetch uses (0: the main channel).
+
+        Each further stream gets a channel of its own with a private subchannel pool,
+        so it is its own HTTP/2 connection: one connection's streams share one
+        transport (and its locks and flow-control window) on both sides.
+        """
+        if i == 0:
+            return self._fetch_stub
+        with self._stream_lock:
+            while len(self._stream_channels) < i:
+                channel = self._new_channel(
+                    self.target, [*self._opts, ("grpc.use_local_subchannel_pool", 1)]
+                )
+                self._stream_channels.append((channel, RawFetchStub(channel)))
+            return self._stream_channels[i - 1][1]
+
     def _retried(self, fn: Callable[[], T]) -> T:
         return call_with_retry(fn, self.retry, self.retry_stats)
 
     def close(self) -> None:
         self._channel.close()
+        with self._stream_lock:
+            for channel, _ in self._stream_channels:
+                channel.close()
+            self._stream_channels.clear()
 
     def __enter__(self) -> WeightClient:
         return self
@@ -193,6 +246,7 @@ class WeightClient:
         transport: Transport = "auto",
         copy: bool = False,
         verify: bool = False,
+        streams: int = 1,
     ) -> dict[str, torch.Tensor]:
         """This tensor-parallel rank's slice of every tensor (or of ``names``).
 
@@ -205,6 +259,10 @@ class WeightClient:
         Pipeline and expert layouts: :meth:`fetch_layout`. Raises a
         :class:`~weightd.client.errors.WeightdError` subclass; a partial result is
         never returned.
+
+        ``streams``: over gRPC, split the rank's tensors into this many groups of about
+        equal bytes, each fetched on its own concurrent stream and connection (see
+        :mod:`.streams`; 1 to 16). Same-host transports ignore it.
         """
         state, _ = self.fetch_with_info(
             rank,
@@ -215,6 +273,7 @@ class WeightClient:
             transport=transport,
             copy=copy,
             verify=verify,
+            streams=streams,
         )
         return state
 
@@ -229,6 +288,7 @@ class WeightClient:
         transport: Transport = "auto",
         copy: bool = False,
         verify: bool = False,
+        streams: int = 1,
     ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
         """:meth:`fetch`, and how it was served (transport, reason, failures, pack)."""
         if world_size < 1 or not 0 <= rank < world_size:
@@ -243,6 +303,7 @@ class WeightClient:
             transport=transport,
             copy=copy,
             verify=verify,
+            streams=streams,
         )
 
     def _fetch_negotiated(
@@ -256,19 +317,27 @@ class WeightClient:
         copy: bool,
         verify: bool,
         into: Mapping[str, torch.Tensor] | None = None,
+        streams: int = 1,
     ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
         import torch
 
         from .local_fetch import negotiated_fetch
 
         layout.check()  # here too: a negative number cannot even be encoded as uint32
+        if not 1 <= streams <= MAX_STREAMS:
+            raise InvalidArgumentError(f"streams {streams} is invalid: need 1..{MAX_STREAMS}")
         wanted = list(names or ())
+
+        def grpc_fetch() -> dict[str, torch.Tensor]:
+            if streams > 1:
+                return self._fetch_grpc_streams(layout, model, wanted, into, streams)
+            return self._fetch_grpc(layout, model=model, names=wanted, into=into)
 
         def negotiate() -> tuple[dict[str, torch.Tensor], FetchInfo]:
             return negotiated_fetch(
                 self.target,
                 transport,
-                lambda: self._fetch_grpc(layout, model=model, names=wanted, into=into),
+                grpc_fetch,
                 model=model or "",
                 layout=layout,
                 names=wanted,
@@ -276,6 +345,7 @@ class WeightClient:
                 copy=copy,
                 verify=verify,
                 timeout=self.timeout,
+                populate=self.populate,
             )
 
         # The gRPC path retries (and resumes) by itself; only an explicit same-host
@@ -341,9 +411,49 @@ class WeightClient:
             copy=copy,
             verify=verify,
             timeout=self.timeout,
+            populate=self.populate,
         )
         self.last_fetch = info
         return state, info
+
+    def _fetch_grpc_streams(
+        self,
+        layout: Layout,
+        model: str | None,
+        names: list[str],
+        into: Mapping[str, torch.Tensor] | None,
+        streams: int,
+    ) -> dict[str, torch.Tensor]:
+        """The layout's slices over ``streams`` concurrent Fetch streams (:mod:`.streams`).
+
+        The groups name their tensors, so the rank's tensor list comes from
+        DescribeModel: every tensor of the checkpoint, for a tensor-parallel layout.
+        """
+        if layout.pp_size > 1 or layout.ep_size > 1:
+            raise InvalidArgumentError(
+                f"streams {streams} needs a tensor-parallel layout; got {layout.describe()}"
+            )
+        described = {t.name: t.nbytes for t in self.describe(model).tensors}
+        wanted = names or list(described)
+        groups = split_by_bytes([(n, described.get(n, 0)) for n in wanted], streams)
+        reports = [ResumeReport() for _ in groups]
+
+        def fetch_group(i: int, group: list[str], progress: ProgressFn) -> dict[str, torch.Tensor]:
+            return self._fetch_grpc(
+                layout,
+                model=model,
+                names=group,
+                into=into,
+                stub=self._stream_stub(i),
+                report=reports[i],
+                on_tensor=progress,
+            )
+
+        try:
+            got = fetch_in_streams(groups, fetch_group, self.on_tensor)
+        finally:
+            self.last_resume = merge_reports(reports)
+        return {n: got[n] for n in wanted}
 
     def _fetch_grpc(
         self,
@@ -352,6 +462,9 @@ class WeightClient:
         model: str | None = None,
         names: Iterable[str] | None = None,
         into: Mapping[str, torch.Tensor] | None = None,
+        stub: RawFetchStub | None = None,
+        report: ResumeReport | None = None,
+        on_tensor: ProgressFn | None = None,
     ) -> dict[str, torch.Tensor]:
         """The layout's slices, streamed and digest-checked, on the CPU.
 
@@ -365,17 +478,20 @@ class WeightClient:
             layout=layout.to_proto(),
             names=list(names or ()),
             max_chunk_bytes=self.chunk_bytes,
+            # SHA-256 is what an empty field means: the request stays as it always was.
+            slice_digest="" if self.slice_digest == SLICE_DIGEST_ALGORITHM else self.slice_digest,
         )
-        report = ResumeReport()
-        self.last_resume = report
+        if report is None:
+            report = ResumeReport()
+            self.last_resume = report
         return fetch_resumable(
-            self._fetch_stub,
+            stub or self._fetch_stub,
             request,
             timeout=self.timeout,
             policy=self.retry,
             stats=self.retry_stats,
             report=report,
-            on_tensor=self.on_tensor,
+            on_tensor=on_tensor or self.on_tensor,
             into=into,
         )
 
@@ -389,6 +505,7 @@ class WeightClient:
         strict: bool = True,
         transport: Transport = "auto",
         in_place: bool = True,
+        streams: int = 1,
     ) -> FetchInfo:
         """Fetch this rank's slices and load them into ``module``; how it was served.
 
@@ -402,7 +519,8 @@ class WeightClient:
         memory. The price: if the fetch fails, the module may be left partly
         overwritten. Pass ``in_place=False`` to reload a module that must stay intact
         on failure (the rank is then fetched whole first, then copied in). Same-host
-        transports map the shared pack and copy from it either way.
+        transports map the shared pack and copy from it either way. ``streams`` as in
+        :meth:`fetch`.
         """
         from .loading import apply_fetched
 
@@ -420,6 +538,7 @@ class WeightClient:
             copy=False,
             verify=False,
             into=targets if in_place else None,
+            streams=streams,
         )
         apply_fetched(module, state, targets, strict=strict, source=self.target)
         return info

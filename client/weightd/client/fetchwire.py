@@ -71,7 +71,7 @@ class WireChunk:
 class WireResponse:
     """One ``FetchResponse``: its chunks, and the fields set only on some messages."""
 
-    __slots__ = ("adapter", "chunks", "done", "model_fingerprint")
+    __slots__ = ("adapter", "chunks", "done", "model_fingerprint", "slice_digest")
 
     def __init__(
         self,
@@ -79,11 +79,13 @@ class WireResponse:
         done: pb.FetchDone | None = None,
         adapter: pb.AdapterInfo | None = None,
         model_fingerprint: str = "",
+        slice_digest: str = "",
     ) -> None:
         self.chunks = chunks
         self.done = done  # None: not set
         self.adapter = adapter  # None: not set
         self.model_fingerprint = model_fingerprint
+        self.slice_digest = slice_digest  # "": not set (SHA-256)
 
 
 class RawFetchStub:
@@ -117,6 +119,7 @@ def from_message(msg: pb.FetchResponse) -> WireResponse:
         msg.done if msg.HasField("done") else None,
         msg.adapter if msg.HasField("adapter") else None,
         msg.model_fingerprint,
+        msg.slice_digest,
     )
 
 
@@ -189,6 +192,7 @@ def _parse(raw: bytes) -> WireResponse:
     done: pb.FetchDone | None = None
     adapter: pb.AdapterInfo | None = None
     fingerprint: str | None = None
+    kind: str | None = None
     while pos < end:
         number, wire, pos = _field(raw, pos, end)
         if wire != _LEN:
@@ -202,9 +206,11 @@ def _parse(raw: bytes) -> WireResponse:
             adapter = _sub(pb.AdapterInfo, raw, start, pos)
         elif number == 4 and fingerprint is None:
             fingerprint = _text(raw, start, pos)
+        elif number == 5 and kind is None:
+            kind = _text(raw, start, pos)
         else:
             raise _Unusual  # unknown, or set twice (protobuf merges): let it decide
-    return WireResponse(chunks, done, adapter, fingerprint or "")
+    return WireResponse(chunks, done, adapter, fingerprint or "", kind or "")
 
 
 def _sub(cls: type[M], raw: bytes, start: int, stop: int) -> M:

@@ -21,11 +21,11 @@ from typing import Final
 
 from google.protobuf.message import DecodeError
 
-from weightd.common.frames import FrameError, recv_frame, send_frame
+from weightd.common.frames import MAX_REQUEST_FRAME_BYTES, FrameError, recv_frame, send_frame
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 
-from .errors import UnavailableError, WeightdError, error_for
+from .errors import ResourceExhaustedError, UnavailableError, WeightdError, error_for
 from .transports import AdapterRef, PackRef
 
 #: Connecting and reading the hello take no longer than this.
@@ -46,10 +46,24 @@ class LocalConnection:
         try:
             self._sock.settimeout(CONNECT_TIMEOUT_SECONDS)
             self._sock.connect(path)
-            self.hello = lpb.LocalHello.FromString(self._recv(0)[0])
+            self.hello = self._greeting()
         except BaseException:
             self.close()
             raise
+
+    def _greeting(self) -> lpb.LocalHello:
+        """The daemon's hello; its refusal (every slot taken) raised as the daemon's error."""
+        payload = self._recv(0)[0]
+        try:
+            hello = lpb.LocalHello.FromString(payload)
+        except DecodeError as exc:
+            raise self._broken("decoding the hello", exc) from None
+        if hello.HasField("refused"):
+            err = hello.refused
+            raise error_for(
+                err.code, err.detail, transport=self.transport if err.transport else None
+            )
+        return hello
 
     def _broken(self, what: str, exc: BaseException) -> WeightdError:
         return UnavailableError(f"side socket {self.path}: {what}: {exc}", transport=self.transport)
@@ -80,9 +94,15 @@ class LocalConnection:
     ) -> tuple[lpb.LocalResponse, list[int]]:
         if self._sock is None:
             raise self._broken("sending", ConnectionError("connection already closed"))
+        payload = request.SerializeToString()
+        if len(payload) > MAX_REQUEST_FRAME_BYTES:  # the daemon would hang up unread
+            raise ResourceExhaustedError(
+                f"side-channel request is {len(payload)} bytes; the daemon reads at most "
+                f"{MAX_REQUEST_FRAME_BYTES} (ask for fewer names per request)"
+            )
         try:
             self._sock.settimeout(self.timeout)
-            send_frame(self._sock, request.SerializeToString())
+            send_frame(self._sock, payload)
         except (OSError, FrameError) as exc:
             raise self._broken("sending", exc) from None
         payload, fds = self._recv(max_fds)

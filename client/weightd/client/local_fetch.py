@@ -50,11 +50,13 @@ def negotiated_fetch(
     verify: bool,
     timeout: float | None,
     adapter: str = "",
+    populate: bool = False,
 ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
     """Try the candidate transports in order (see ``transports``); report every failure.
 
     ``adapter``: fetch the rank's pack of that LoRA adapter's current version instead
-    of the model's weights (``grpc_fetch`` then streams the adapter).
+    of the model's weights (``grpc_fetch`` then streams the adapter). ``populate``: map
+    a shared pack with every page resident (see :func:`.shm.map_host_pack`).
     """
     side = side_socket_path(target)
     try:
@@ -85,6 +87,7 @@ def negotiated_fetch(
                 verify=verify,
                 timeout=timeout,
                 adapter=adapter,
+                populate=populate,
             )
             copied = copy or (name == "shm" and device.type != "cpu")
             return state, FetchInfo(name, transport, reason, tuple(failures), ref, copied)
@@ -118,6 +121,7 @@ def fetch_local(
     verify: bool,
     timeout: float | None,
     adapter: str = "",
+    populate: bool = False,
 ) -> tuple[dict[str, torch.Tensor], PackRef]:
     """One worker's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc"."""
     conn = LocalConnection(path, transport, timeout)
@@ -137,7 +141,7 @@ def fetch_local(
     except BaseException:
         conn.close()
         raise
-    return _map(grant, fds, conn, device, copy, verify), pack_ref(grant)
+    return _map(grant, fds, conn, device, copy, verify, populate), pack_ref(grant)
 
 
 def _check_granted_layout(grant: lpb.PackGrant, layout: Layout, transport: str) -> None:
@@ -167,6 +171,7 @@ def attach_local(
     copy: bool,
     verify: bool,
     timeout: float | None,
+    populate: bool = False,
 ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
     """A new lease on the pack ``ref`` names; refused if the daemon restarted since."""
     path = side_socket_path(target)
@@ -184,7 +189,7 @@ def attach_local(
     except BaseException:
         conn.close()
         raise
-    state = _map(grant, fds, conn, device, copy, verify)
+    state = _map(grant, fds, conn, device, copy, verify, populate)
     copied = copy or (transport == "shm" and device.type != "cpu")
     reason = "attached to a granted pack"
     return state, FetchInfo(transport, transport, reason, (), pack_ref(grant), copied)
@@ -197,6 +202,7 @@ def _map(
     device: torch.device,
     copy: bool,
     verify: bool,
+    populate: bool = False,
 ) -> dict[str, torch.Tensor]:
     if grant.placement == lpb.PLACEMENT_CUDA:
         if fds:
@@ -210,4 +216,6 @@ def _map(
         raise FailedPreconditionError(
             f"a shared-memory grant came with {len(fds)} descriptors, not 1", transport="shm"
         )
-    return map_host_pack(grant, fds[0], conn, copy=copy, verify=verify, device=device)
+    return map_host_pack(
+        grant, fds[0], conn, copy=copy, verify=verify, device=device, want_populate=populate
+    )

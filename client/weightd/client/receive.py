@@ -1,8 +1,10 @@
 """Receiving a Fetch-format stream into final tensors, resumably.
 
 Each tensor is allocated once, at its final shape, when its header arrives, and
-every chunk is written straight into place; the SHA-256 of each slice is computed
-over the same chunk buffers and checked before the tensor counts as received.
+every chunk is written straight into place; the digest of each slice (SHA-256, or
+BLAKE3 when the client asked and the daemon named it in the stream's first message)
+is computed over the same chunk buffers and checked before the tensor counts as
+received.
 
 A :class:`RankReceiver` keeps what it received completely across streams. Tensors
 arrive in the rank's plan order, so what it holds is always a prefix of that order:
@@ -13,19 +15,19 @@ when a stream is cut (the daemon restarted), the next stream asks for the rest w
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
 import torch
 
-from weightd.common.digests import slice_digest
+from weightd.common.digests import SLICE_DIGEST_ALGORITHM, slice_digest
 from weightd.v1 import weightd_pb2 as pb
 
 from .dtypes import torch_dtype
 from .errors import DataLossError, WeightdError, from_rpc_error
 from .fetchwire import WireChunk, WireResponse, from_message, parse_fetch_response
+from .hashers import new_hasher
 
 #: Called after each complete tensor with (its index in the rank, its name).
 ProgressFn = Callable[[int, str], None]
@@ -34,9 +36,14 @@ ProgressFn = Callable[[int, str], None]
 class _Incoming:
     """One tensor being received: its final storage, a write cursor and a running hash."""
 
-    __slots__ = ("hasher", "name", "nbytes", "received", "storage", "tensor")
+    __slots__ = ("hasher", "kind", "name", "nbytes", "received", "storage", "tensor")
 
-    def __init__(self, header: pb.SliceHeader, into: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        header: pb.SliceHeader,
+        into: torch.Tensor | None = None,
+        kind: str = SLICE_DIGEST_ALGORITHM,
+    ) -> None:
         self.name = header.name
         dtype, shape = torch_dtype(header.dtype, tuple(header.shape))
         self.tensor = (
@@ -56,7 +63,8 @@ class _Incoming:
         self.storage = memoryview((ctypes.c_char * actual).from_address(self.tensor.data_ptr()))
         self.storage = self.storage.cast("B")
         self.received = 0
-        self.hasher = hashlib.sha256()
+        self.kind = kind
+        self.hasher = new_hasher(kind)
 
     def write(self, chunk: WireChunk) -> None:
         data = chunk.data
@@ -76,7 +84,7 @@ class _Incoming:
             raise DataLossError(
                 f"tensor {self.name!r}: digest arrived after {self.received} of {self.nbytes} bytes"
             )
-        actual = slice_digest(self.hasher)
+        actual = slice_digest(self.hasher, self.kind)
         if actual != digest:
             raise DataLossError(
                 f"tensor {self.name!r}: received bytes hash to {actual}, the daemon sent {digest}"
@@ -116,10 +124,18 @@ class RankReceiver:
     """
 
     def __init__(
-        self, on_tensor: ProgressFn | None = None, into: Mapping[str, torch.Tensor] | None = None
+        self,
+        on_tensor: ProgressFn | None = None,
+        into: Mapping[str, torch.Tensor] | None = None,
+        *,
+        asked: str = "",
     ) -> None:
         self.on_tensor = on_tensor
         self.into = into or {}
+        #: The slice digest kind the requests ask for ("": the default, SHA-256).
+        self.asked = asked
+        #: The kind of the current stream's digests, from its first message.
+        self.kind = SLICE_DIGEST_ALGORITHM
         self.tensors: dict[str, torch.Tensor] = {}
         #: The model content the tensors came from (FetchResponse.model_fingerprint).
         self.fingerprint = ""
@@ -152,6 +168,7 @@ class RankReceiver:
         current: _Incoming | None = None
         done: pb.FetchDone | None = None
         self.first = None
+        self.kind = SLICE_DIGEST_ALGORITHM
         try:
             for item in stream:
                 if isinstance(item, bytes):
@@ -160,6 +177,7 @@ class RankReceiver:
                     response = from_message(item)
                 if self.first is None:
                     self.first = response
+                    self.kind = self._stream_kind(response.slice_digest)
                 if done is not None:
                     raise DataLossError("the daemon sent data after closing the stream")
                 if response.model_fingerprint:
@@ -183,6 +201,21 @@ class RankReceiver:
                 f"{len(self.tensors)} arrived complete"
             )
 
+    def _stream_kind(self, named: str) -> str:
+        """The digest kind of a stream whose first message names ``named``.
+
+        Unset is SHA-256 (a daemon that predates the field, or a request that did not
+        ask). A daemon may only name the kind that was asked for.
+        """
+        if not named:
+            return SLICE_DIGEST_ALGORITHM
+        if named not in (self.asked, SLICE_DIGEST_ALGORITHM):
+            raise DataLossError(
+                f"the daemon names slice digests {named[:64]!r}; the client asked for "
+                f"{self.asked or SLICE_DIGEST_ALGORITHM!r}"
+            )
+        return named
+
     def _chunk(self, chunk: WireChunk, current: _Incoming | None) -> _Incoming | None:
         """Apply one chunk; the tensor still in flight afterwards (None: none)."""
         if chunk.index != self.next_index:
@@ -194,7 +227,7 @@ class RankReceiver:
                 raise DataLossError(
                     f"tensor header {chunk.index} arrived before {current.name!r} was complete"
                 )
-            current = _Incoming(chunk.header, self.into.get(chunk.header.name))
+            current = _Incoming(chunk.header, self.into.get(chunk.header.name), self.kind)
         elif current is None:
             raise DataLossError(f"chunk for tensor {chunk.index} arrived before its header")
         current.write(chunk)

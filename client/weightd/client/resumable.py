@@ -31,6 +31,7 @@ class ResumeReport:
     restarts: int = 0  # resumes refused because the content changed (ABORTED)
     received_bytes: int = 0  # payload bytes that arrived, including any sent twice
     resent_bytes: int = 0  # payload bytes thrown away and sent again
+    slice_digest: str = ""  # the kind of digest the (last) stream carried and was checked
 
 
 def fetch_resumable(
@@ -48,7 +49,7 @@ def fetch_resumable(
 
     ``into``: tensors to receive into where they fit (see :class:`RankReceiver`).
     """
-    receiver = RankReceiver(on_tensor, into)
+    receiver = RankReceiver(on_tensor, into, asked=request.slice_digest)
 
     def stream_once() -> None:
         ask = pb.FetchRequest()
@@ -75,4 +76,5 @@ def fetch_resumable(
     finally:
         report.received_bytes = receiver.received_bytes
         report.resent_bytes = receiver.discarded_bytes
+        report.slice_digest = receiver.kind
     return dict(receiver.tensors)

@@ -1,22 +1,56 @@
-"""Self-describing digests: ``"<algorithm>:<lowercase hex>"``.
+"""Self-describing digests: ``"<algorithm>:<lowercase hex>"``, and the slice digest kinds.
 
-Slice digests use SHA-256 because every client can check it with the standard
-library alone (``hashlib``, SHA-NI accelerated: about 1.8 GB/s per core here) and
-it is collision resistant, so a digest anchored in a trusted manifest can be
-forwarded to clients without weakening the chain of trust.
+Slice digests come in two kinds, chosen per Fetch by the client
+(``FetchRequest.slice_digest``):
+
+* ``sha256``, the default and what every daemon sends: every client can check it with
+  the standard library alone (``hashlib``, SHA-NI accelerated: about 1.6 GB/s per core
+  here);
+* ``blake3``, asked for by clients that have the ``blake3`` package: about 4x faster
+  per core here (6 GB/s), on both sides, and the algorithm the daemon already verifies
+  whole tensors with.
+
+Both are collision resistant, so a digest anchored in a trusted manifest can be
+forwarded to clients without weakening the chain of trust: whichever kind a slice's
+digest is, the daemon computed it from bytes it had first proven to be the verified
+tensor.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Final
+from typing import Final, Protocol
 
 SLICE_DIGEST_ALGORITHM: Final = "sha256"
+#: The faster kind a client may ask for (``FetchRequest.slice_digest``).
+BLAKE3: Final = "blake3"
+#: Every kind a daemon serves; "" on the wire means the default, SHA-256.
+SLICE_DIGEST_KINDS: Final = (SLICE_DIGEST_ALGORITHM, BLAKE3)
+
+
+class Hasher(Protocol):
+    """What ``hashlib.sha256()`` and ``blake3.blake3()`` both provide."""
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
 
 
 def format_digest(algorithm: str, hexdigest: str) -> str:
     return f"{algorithm}:{hexdigest}"
 
 
-def slice_digest(hasher: hashlib._Hash) -> str:
-    return format_digest(SLICE_DIGEST_ALGORITHM, hasher.hexdigest())
+def slice_kind(requested: str) -> str:
+    """The slice digest kind a request's ``slice_digest`` field names ("" is SHA-256).
+
+    Raises ``ValueError`` for any other value (the daemon answers INVALID_ARGUMENT).
+    """
+    kind = requested or SLICE_DIGEST_ALGORITHM
+    if kind not in SLICE_DIGEST_KINDS:
+        raise ValueError(
+            f"slice_digest {requested[:64]!r} is not one of {', '.join(SLICE_DIGEST_KINDS)}"
+        )
+    return kind
+
+
+def slice_digest(hasher: Hasher, algorithm: str = SLICE_DIGEST_ALGORITHM) -> str:
+    return format_digest(algorithm, hasher.hexdigest())

@@ -17,11 +17,15 @@ import array
 import os
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import Final
 
 #: Largest frame either side accepts. A pack table for 100k tensors is ~15 MB.
 MAX_FRAME_BYTES: Final = 64 << 20
+#: Largest frame the daemon reads from a client: requests are small (gRPC caps its own
+#: at the same 1 MiB), and each connection waiting for one may hold this much.
+MAX_REQUEST_FRAME_BYTES: Final = 1 << 20
 _LENGTH: Final = struct.Struct(">I")
 
 
@@ -38,32 +42,52 @@ def send_frame(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> 
         sock.sendall(memoryview(data)[sent:])
 
 
-def recv_frame(sock: socket.socket, max_fds: int = 0) -> tuple[bytes, list[int]] | None:
+def recv_frame(
+    sock: socket.socket,
+    max_fds: int = 0,
+    *,
+    max_bytes: int = MAX_FRAME_BYTES,
+    deadline: float | None = None,
+) -> tuple[bytes, list[int]] | None:
     """One frame and the descriptors that came with it; None on a clean end of stream.
 
     Received descriptors are close-on-exec. More descriptors than ``max_fds`` (or any
     when ``max_fds`` is 0) is a :class:`FrameError`, and every descriptor that did
     arrive is closed first, so a misbehaving peer cannot leak them into us.
+
+    ``deadline`` (a :func:`time.monotonic` value) bounds the whole frame, not each
+    read: a peer sending one byte at a time cannot stretch it (:class:`TimeoutError`).
     """
     fds: list[int] = []
     try:
+        _until(sock, deadline)
         head, fds, flags = _recv_with_fds(sock, _LENGTH.size, max(max_fds, 1))
         if not head:
             return None
         if flags & socket.MSG_CTRUNC or len(fds) > max_fds:
             raise FrameError(f"peer sent more than {max_fds} file descriptors")
         header = bytearray(head)
-        _read_exact(sock, header, _LENGTH.size)
+        _read_exact(sock, header, _LENGTH.size, deadline)
         (length,) = _LENGTH.unpack(header)
-        if length > MAX_FRAME_BYTES:
-            raise FrameError(f"peer announced a {length}-byte frame (limit {MAX_FRAME_BYTES})")
+        if length > max_bytes:
+            raise FrameError(f"peer announced a {length}-byte frame (limit {max_bytes})")
         payload = bytearray()
-        _read_exact(sock, payload, length)
+        _read_exact(sock, payload, length, deadline)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
     return bytes(payload), fds
+
+
+def _until(sock: socket.socket, deadline: float | None) -> None:
+    """Make the next read wait no longer than what is left before ``deadline``."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the frame did not arrive in time")
+    sock.settimeout(left)
 
 
 def _recv_with_fds(sock: socket.socket, size: int, max_fds: int) -> tuple[bytes, list[int], int]:
@@ -78,8 +102,9 @@ def _recv_with_fds(sock: socket.socket, size: int, max_fds: int) -> tuple[bytes,
     return data, list(item), flags
 
 
-def _read_exact(sock: socket.socket, buf: bytearray, n: int) -> None:
+def _read_exact(sock: socket.socket, buf: bytearray, n: int, deadline: float | None) -> None:
     while len(buf) < n:
+        _until(sock, deadline)
         more = sock.recv(min(n - len(buf), 1 << 20))
         if not more:
             raise FrameError(f"connection closed inside a frame ({len(buf)} of {n} bytes)")

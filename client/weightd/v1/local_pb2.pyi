@@ -9,7 +9,8 @@ gRPC socket: "<gRPC socket path>.local", in the same 0700 directory.
 
 Framing: every message is a 4-byte big-endian length, then one serialized message.
 A connection carries exactly one exchange and at most one lease:
-  daemon -> LocalHello           (as soon as the connection is accepted)
+  daemon -> LocalHello           (as soon as the connection is accepted; with
+                                  `refused` set, the exchange ends there)
   client -> LocalRequest         (one)
   daemon -> LocalResponse        (one; a host-pack grant carries the pack's sealed
                                   memfd as SCM_RIGHTS ancillary data)
@@ -67,6 +68,7 @@ class LocalHello(_message.Message):
     PLACEMENTS_FIELD_NUMBER: _builtins.int
     GPU_UUIDS_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """1"""
     boot_id: _builtins.str
@@ -80,6 +82,12 @@ class LocalHello(_message.Message):
     def gpu_uuids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """GPUs it can place packs on (canonical UUID text)"""
 
+    @_builtins.property
+    def refused(self) -> Global___LocalError:
+        """Set when the daemon cannot take this connection (every slot is taken): the reason,
+        sent where the client reads the hello; the daemon then closes the connection.
+        """
+
     def __init__(
         self,
         *,
@@ -88,10 +96,11 @@ class LocalHello(_message.Message):
         placements: _abc.Iterable[Global___Placement.ValueType] | None = ...,
         gpu_uuids: _abc.Iterable[_builtins.str] | None = ...,
         pid: _builtins.int = ...,
+        refused: Global___LocalError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["refused", b"refused"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "gpu_uuids", b"gpu_uuids", "pid", b"pid", "placements", b"placements", "protocol_version", b"protocol_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "gpu_uuids", b"gpu_uuids", "pid", b"pid", "placements", b"placements", "protocol_version", b"protocol_version", "refused", b"refused"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,7 +9,8 @@ gRPC socket: "<gRPC socket path>.local", in the same 0700 directory.
 
 Framing: every message is a 4-byte big-endian length, then one serialized message.
 A connection carries exactly one exchange and at most one lease:
-  daemon -> LocalHello           (as soon as the connection is accepted)
+  daemon -> LocalHello           (as soon as the connection is accepted; with
+                                  `refused` set, the exchange ends there)
   client -> LocalRequest         (one)
   daemon -> LocalResponse        (one; a host-pack grant carries the pack's sealed
                                   memfd as SCM_RIGHTS ancillary data)

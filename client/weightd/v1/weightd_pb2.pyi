@@ -456,6 +456,7 @@ class FetchRequest(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     START_INDEX_FIELD_NUMBER: _builtins.int
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    SLICE_DIGEST_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """empty: the daemon's only model"""
     max_chunk_bytes: _builtins.int
@@ -470,6 +471,13 @@ class FetchRequest(_message.Message):
     """The FetchResponse.model_fingerprint of the stream being resumed. When set and the
     daemon now serves other content under that name, the call fails with ABORTED
     (restart from index 0) rather than mixing two versions in one rank.
+    """
+    slice_digest: _builtins.str
+    """The slice digest the client checks: "" or "sha256" (every daemon), or "blake3"
+    (daemons that know this field; faster on both sides). Whatever the kind, each
+    slice's digest is computed from bytes proven to be the verified tensor. A daemon
+    that predates the field ignores it and sends "sha256:" digests, which a client
+    must accept; anything else is INVALID_ARGUMENT.
     """
     @_builtins.property
     def layout(self) -> Global___Layout: ...
@@ -486,10 +494,11 @@ class FetchRequest(_message.Message):
         max_chunk_bytes: _builtins.int = ...,
         start_index: _builtins.int = ...,
         model_fingerprint: _builtins.str = ...,
+        slice_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "max_chunk_bytes", b"max_chunk_bytes", "model", b"model", "model_fingerprint", b"model_fingerprint", "names", b"names", "start_index", b"start_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "max_chunk_bytes", b"max_chunk_bytes", "model", b"model", "model_fingerprint", b"model_fingerprint", "names", b"names", "slice_digest", b"slice_digest", "start_index", b"start_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -555,7 +564,7 @@ class TensorChunk(_message.Message):
     """byte offset of data within the slice"""
     data: _builtins.bytes
     digest: _builtins.str
-    """set on the last chunk: "sha256:<hex>" of the whole slice"""
+    """set on the last chunk: "<kind>:<hex>" of the whole slice"""
     @_builtins.property
     def header(self) -> Global___SliceHeader:
         """set on the first chunk of each tensor only"""
@@ -609,9 +618,15 @@ class FetchResponse(_message.Message):
     DONE_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    SLICE_DIGEST_FIELD_NUMBER: _builtins.int
     model_fingerprint: _builtins.str
     """Fetch: set on the first message only. Identity of the served content (config and
     every verified tensor digest); a resume names it in FetchRequest.model_fingerprint.
+    """
+    slice_digest: _builtins.str
+    """Fetch: set on the first message only, when the request set slice_digest: the kind
+    of every slice digest in this stream. Unset (from a daemon that predates the
+    field, or for a request that left slice_digest empty): "sha256".
     """
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChunk]:
@@ -632,10 +647,11 @@ class FetchResponse(_message.Message):
         done: Global___FetchDone | None = ...,
         adapter: Global___AdapterInfo | None = ...,
         model_fingerprint: _builtins.str = ...,
+        slice_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "done", b"done"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chunks", b"chunks", "done", b"done", "model_fingerprint", b"model_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chunks", b"chunks", "done", b"done", "model_fingerprint", b"model_fingerprint", "slice_digest", b"slice_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

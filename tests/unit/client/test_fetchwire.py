@@ -34,6 +34,7 @@ def _fields(r: WireResponse) -> tuple[Any, ...]:
         None if r.done is None else r.done.SerializeToString(),
         None if r.adapter is None else r.adapter.SerializeToString(),
         r.model_fingerprint,
+        r.slice_digest,
     )
 
 
@@ -88,6 +89,8 @@ def test_parser_reads_what_the_daemon_writes_as_views_of_the_message() -> None:
         b"\x0a\x08\x12\x02\x0a\x00\x12\x02\x10\x00",  # header twice: merged
         b"\x12\x02\x08\x01\x12\x02\x10\x02",  # done twice: merged
         b"\x22\x01a\x22\x01b",  # fingerprint twice
+        b"\x22\x02fp\x2a\x06blake3",  # fingerprint and the slice digest kind (Fetch's first)
+        b"\x2a\x01a\x2a\x01b",  # slice digest kind twice
         b"\x0a\x03\x30\x96\x01",  # an unknown field in a chunk
         b"\x38\x05\x0a\x00",  # an unknown top-level field
         b"\x0a\x03\x08\x80\x00",  # a non-minimal varint
@@ -115,6 +118,7 @@ def test_parser_agrees_with_protobuf_on_valid_input(raw: bytes) -> None:
         b"\x0a\x0c\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # an 11-byte varint
         b"\x0a\x03\x2a\x01\xff",  # a digest that is not UTF-8
         b"\x22\x01\xc3",  # a fingerprint that is not UTF-8
+        b"\x2a\x01\xc3",  # a slice digest kind that is not UTF-8
         b"\x0a\x04\x12\x02\x0a\x05",  # a header whose name runs past its end
         b"\x12\x01\x08",  # a done cut short
         b"\x02\x00",  # field number 0

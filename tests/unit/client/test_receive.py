@@ -64,3 +64,48 @@ def test_receiver_reports_rpc_errors_and_keeps_complete_tensors() -> None:
     with pytest.raises(Exception, match="daemon restarted"):
         r.consume(stream())
     assert r.next_index >= 1
+
+
+def _payloads_of(r: RankReceiver) -> dict[str, bytes]:
+    return {k: bytes(v.numpy().tobytes()) for k, v in r.tensors.items()}
+
+
+@pytest.mark.parametrize(
+    ("asked", "kind", "named"),
+    [
+        ("blake3", "blake3", None),  # a new daemon honours the ask and names the kind
+        ("blake3", "", None),  # an old daemon ignores the ask: SHA-256, nothing named
+        ("", "", None),  # an old client's request: SHA-256 as always
+        ("blake3", "sha256", "sha256"),  # a daemon may always fall back to SHA-256
+    ],
+)
+def test_receiver_checks_the_digest_kind_the_stream_names(
+    asked: str, kind: str, named: str | None
+) -> None:
+    r = RankReceiver(asked=asked)
+    r.consume(FakeStream(_rank(PAYLOADS, kind=kind, named=named)))
+    assert r.kind == (kind or "sha256")
+    assert _payloads_of(r) == {f"t{i}": p for i, p in enumerate(PAYLOADS)}
+
+
+def test_receiver_refuses_a_tampered_blake3_stream() -> None:
+    raw = _tampered(_rank(PAYLOADS, kind="blake3"), b"abc", b"abd")
+    r = RankReceiver(asked="blake3")
+    with pytest.raises(DataLossError, match="hash to blake3:"):
+        r.consume(FakeStream(raw))
+    assert "t2" not in r.tensors
+
+
+@pytest.mark.parametrize(
+    ("asked", "kind", "named"),
+    [
+        ("", "blake3", None),  # a kind the client never asked for
+        ("blake3", "blake3", "md5"),  # a kind nobody knows
+        ("blake3", "blake3", ""),  # BLAKE3 digests in a stream that names none (SHA-256)
+    ],
+)
+def test_receiver_refuses_digests_of_another_kind(asked: str, kind: str, named: str | None) -> None:
+    r = RankReceiver(asked=asked)
+    with pytest.raises(DataLossError, match=r"names slice digests|hash to sha256"):
+        r.consume(FakeStream(_rank(PAYLOADS, kind=kind, named=named)))
+    assert not r.tensors or all(len(p) == 0 for p in _payloads_of(r).values())

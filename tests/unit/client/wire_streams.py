@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+import blake3
+
 from weightd.server.rpc.wire import EncodedResponse
 from weightd.v1 import weightd_pb2 as pb
 
@@ -25,17 +27,25 @@ class FakeStream:
         self.cancelled = True
 
 
-def _rank(payloads: list[bytes], per_message: int = 4) -> list[bytes]:
-    """A daemon-shaped stream of uint8 tensors, ``per_message`` payload bytes a message."""
-    first = EncodedResponse()
-    first.set_fingerprint("fp")
-    out = [first.serialize()]
+def _rank(
+    payloads: list[bytes], per_message: int = 4, *, kind: str = "", named: str | None = None
+) -> list[bytes]:
+    """A daemon-shaped stream of uint8 tensors, ``per_message`` payload bytes a message.
+
+    ``kind``: the slice digests' kind ("": SHA-256, as every daemon sends by default);
+    ``named``: what the first message names as the kind (None: ``kind``).
+    """
+    first = pb.FetchResponse(model_fingerprint="fp", slice_digest=kind if named is None else named)
+    out = [first.SerializeToString()]
     msg = EncodedResponse()
     for index, data in enumerate(payloads):
         header: pb.SliceHeader | None = pb.SliceHeader(
             name=f"t{index}", dtype="U8", shape=[len(data)], nbytes=len(data)
         )
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if kind == "blake3":
+            digest = "blake3:" + blake3.blake3(data).hexdigest()
+        else:
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
         pieces = [data[o : o + per_message] for o in range(0, len(data), per_message)] or [b""]
         offset = 0
         for i, piece in enumerate(pieces):

@@ -6,11 +6,18 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from weightd.common.frames import MAX_FRAME_BYTES, FrameError, recv_frame, send_frame
+from weightd.common.frames import (
+    MAX_FRAME_BYTES,
+    MAX_REQUEST_FRAME_BYTES,
+    FrameError,
+    recv_frame,
+    send_frame,
+)
 
 
 @pytest.fixture
@@ -84,3 +91,35 @@ def test_oversized_and_truncated_frames(pair: tuple[socket.socket, socket.socket
     with pytest.raises(FrameError, match="3 of 10 bytes"):
         recv_frame(d)
     d.close()
+
+
+def test_a_deadline_bounds_the_whole_frame_not_each_read(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    stop = threading.Event()
+
+    def drip() -> None:  # a byte every 20 ms: each read is quick, the frame never ends
+        data = struct.pack(">I", 1000) + b"x" * 1000
+        for byte in data:
+            if stop.wait(0.02):
+                return
+            a.send(bytes([byte]))
+
+    t = threading.Thread(target=drip)
+    t.start()
+    try:
+        with pytest.raises(TimeoutError):
+            recv_frame(b, deadline=time.monotonic() + 0.3)
+    finally:
+        stop.set()
+        t.join(5)
+
+
+def test_max_bytes_refuses_a_frame_before_reading_it(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    a.sendall(struct.pack(">I", MAX_REQUEST_FRAME_BYTES + 1))
+    with pytest.raises(FrameError, match=f"limit {MAX_REQUEST_FRAME_BYTES}"):
+        recv_frame(b, max_bytes=MAX_REQUEST_FRAME_BYTES)

@@ -181,7 +181,10 @@ class AdapterCollector:
                 "Adapter versions held in memory: the current ones, and replaced or "
                 "unloaded ones that a fetch or a mapped pack still leases.",
             ),
-            gauge("weightd_adapter_bytes", "Bytes of every adapter version held in memory."),
+            gauge(
+                "weightd_adapter_bytes",
+                "Bytes of every adapter version held in memory (weights and config).",
+            ),
             gauge(
                 "weightd_adapter_leases",
                 "Leases on adapter versions: gRPC fetches in flight and leased adapter packs.",

@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final
 
+from ..base.cleanup import release_frames
 from ..base.errors import AdapterBudgetExhausted, AdapterNotFound
 from .load import LoadedAdapter
 
@@ -155,11 +156,18 @@ class AdapterRegistry:
             if pending is None:
                 pending = Future()
                 self._loading[key] = pending
+        # A failed read's exception is held by the future, whose traceback holds this
+        # frame, which holds the future: ``del pending`` breaks that cycle, so what the
+        # read held is freed when the call ends, not at the next garbage collection.
         if not owner:
-            return pending.result()
+            try:
+                return pending.result()
+            finally:
+                del pending
         try:
             version = self._publish(name, read())
         except BaseException as exc:
+            release_frames(exc)  # the read's frames: the bytes it had read
             pending.set_exception(exc)
             raise
         else:
@@ -168,6 +176,7 @@ class AdapterRegistry:
         finally:
             with self._lock:
                 del self._loading[key]
+            del pending
 
     def _publish(self, name: str, adapter: LoadedAdapter) -> AdapterVersion:
         try:
@@ -192,9 +201,26 @@ class AdapterRegistry:
             self._emit(AdapterEvent(kind, name, version.version, adapter.digest))
             return version
 
+    def check_room(self, name: str, need: int) -> None:
+        """Refuse now, before anything is read, a load of ``need`` bytes that could not fit.
+
+        The same arithmetic as publishing, without evicting: what is evictable now may
+        be leased by then, so publishing checks again.
+        """
+        if self.budget_bytes is None:
+            return
+        with self._lock:
+            self._victims(need, name)
+
     def _make_room(self, need: int, replacing: str) -> None:
         if self.budget_bytes is None:
             return
+        for e in self._victims(need, replacing):
+            self._drop(e.current.name, "evicted")
+
+    def _victims(self, need: int, replacing: str) -> list[_Entry]:
+        """The adapters to evict (least recently used first) so ``need`` bytes fit; or raise."""
+        assert self.budget_bytes is not None
         held = sum(h.version.adapter.nbytes for h in self._held.values())
         victims = sorted(
             (
@@ -207,7 +233,7 @@ class AdapterRegistry:
             key=lambda e: e.last_used,
         )
         free = self.budget_bytes - held
-        chosen = []
+        chosen: list[_Entry] = []
         for e in victims:
             if free >= need:
                 break
@@ -219,8 +245,7 @@ class AdapterRegistry:
                 f"{self.budget_bytes} bytes holds {held}, and leased or pinned adapters "
                 "cannot be evicted"
             )
-        for e in chosen:
-            self._drop(e.current.name, "evicted")
+        return chosen
 
     # --- unloading, pinning ---------------------------------------------------------
 

@@ -10,15 +10,19 @@ the same calls, so neither transport depends on the other.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from ..base.cleanup import release_frames
 from ..base.errors import InvalidRequest
+from ..checkpoint.description import Checkpoint
 from ..plan.layout import Layout
 from ..registry.models import ModelRegistry
+from ..sources.location import is_remote, parse_s3_uri
+from ..sources.resolver import SourceResolver
 from .collector import AdapterMetrics
-from .load import load_adapter
+from .load import LoadedAdapter, load_adapter
 from .plan import AdapterSlicePlan, plan_adapter
 from .registry import AdapterRegistry, AdapterVersion
 
@@ -53,11 +57,20 @@ class AdapterService:
     """The registries and the configured roots, behind the operations both edges need."""
 
     def __init__(
-        self, models: ModelRegistry, registry: AdapterRegistry, roots: Sequence[str]
+        self,
+        models: ModelRegistry,
+        registry: AdapterRegistry,
+        roots: Sequence[str],
+        *,
+        resolver: SourceResolver | None = None,
     ) -> None:
         self.models = models
         self.registry = registry
-        self.roots = tuple(roots)
+        #: Local directory roots; ``s3://`` roots are kept apart (a local path can never
+        #: resolve under one, nor an ``s3://`` source under a directory).
+        self.roots = tuple(r for r in roots if not is_remote(r))
+        self.remote_roots = tuple(parse_s3_uri(r) for r in roots if is_remote(r))
+        self.resolver = resolver
         #: Load latency and rejections, when the daemon exports metrics.
         self.metrics: AdapterMetrics | None = None
 
@@ -72,6 +85,9 @@ class AdapterService:
         try:
             state = self._load(name, model, source_dir, expected_digest)
         except Exception as exc:
+            # The frames a failed load unwound through held what it read (up to the whole
+            # weights file); clear them so the memory returns when the call ends.
+            release_frames(exc)
             if self.metrics is not None:
                 self.metrics.rejected(exc)
             raise
@@ -87,14 +103,35 @@ class AdapterService:
             raise InvalidRequest("source_dir is empty")
         base = self.models.get(model).checkpoint
         expected = expected_digest or None
-        roots = self.roots
-        self.registry.load(
-            name,
-            f"{base.name}\0{source_dir}",
-            expected,
-            lambda: load_adapter(source_dir, roots, base, expected),
-        )
+        roots, registry = self.roots, self.registry
+
+        def room(n: int) -> None:
+            registry.check_room(name, n)
+
+        loader = lambda: load_adapter(source_dir, roots, base, expected, room)  # noqa: E731
+        if is_remote(source_dir):
+            loader = self._remote_loader(source_dir, base, expected, room)
+        registry.load(name, f"{base.name}\0{source_dir}", expected, loader)
         return self.state(name)
+
+    def _remote_loader(
+        self,
+        source: str,
+        base: Checkpoint,
+        expected: str | None,
+        room: Callable[[int], None],
+    ) -> Callable[[], LoadedAdapter]:
+        """Download (or find cached) the ``s3://`` adapter, then load it as a local one."""
+        resolver = self.resolver
+        if resolver is None:
+            raise InvalidRequest(f"{source!r}: this daemon has no remote sources configured")
+        remote_roots = self.remote_roots
+
+        def load() -> LoadedAdapter:
+            directory, root = resolver.resolve_adapter(source, remote_roots, expected)
+            return load_adapter(directory, [root], base, expected, room)
+
+        return load
 
     def unload(self, name: str) -> AdapterVersion:
         check_name(name)

@@ -18,6 +18,7 @@ from typing import Final
 
 from ..base.errors import (
     AdapterBaseMismatch,
+    AdapterConfigError,
     AdapterDtypeError,
     AdapterShapeError,
     AdapterTargetError,
@@ -29,6 +30,8 @@ from .config import AdapterConfig
 
 #: Dtypes an adapter may hold: what PEFT trains and saves in practice.
 ALLOWED_DTYPES: Final = frozenset({"F32", "F16", "BF16"})
+#: Bound on modules x rank/alpha pattern keys: each key is a regex tried on each module.
+MAX_PATTERN_MATCHES: Final = 1 << 21
 _NAME: Final = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<half>lora_A|lora_B)\.weight$")
 
 
@@ -49,7 +52,11 @@ def base_matches(declared: str, ckpt: Checkpoint) -> bool:
 
     PEFT writes whatever the base was loaded from: a hub id (``org/name``) or a local
     directory. Either matches when it names the served model's directory or its name.
+    The string comes from the adapter's file: one with a NUL byte names nothing (and
+    ``realpath`` would raise on it).
     """
+    if "\x00" in declared:
+        return False
     if os.path.isabs(declared):
         return os.path.realpath(declared) == os.path.realpath(ckpt.root)
     tail = declared.rstrip("/").rsplit("/", 1)[-1]
@@ -92,6 +99,13 @@ def verify_adapter(
         halves.setdefault(m.group("module"), {})[m.group("half")] = info
     if not halves:
         raise AdapterTensorError(path, "holds no LoRA tensors")
+    if len(halves) * config.pattern_keys > MAX_PATTERN_MATCHES:
+        raise AdapterConfigError(
+            os.path.join(os.path.dirname(path), "adapter_config.json"),
+            f"{config.pattern_keys} rank_pattern/alpha_pattern keys for {len(halves)} modules "
+            f"are more than {MAX_PATTERN_MATCHES} regex matches (PEFT tries every key on "
+            "every module)",
+        )
     found: dict[str, AdapterModule] = {}
     for module, pair in halves.items():
         for half in ("lora_A", "lora_B"):
@@ -108,10 +122,9 @@ def verify_adapter(
 def _check_pair(
     path: str, module: str, a: TensorInfo, b: TensorInfo, config: AdapterConfig, base: Checkpoint
 ) -> AdapterModule:
-    if not config.targets(module):
-        raise AdapterTargetError(
-            path, f"module {module!r} has LoRA weights but is not in target_modules"
-        )
+    why = config.why_not(module)
+    if why is not None:
+        raise AdapterTargetError(path, f"module {module!r} has LoRA weights but {why}")
     base_name = f"{module}.weight"
     t = base.tensors.get(base_name)
     if t is None:

@@ -30,9 +30,16 @@ def release_frames(error: BaseException) -> None:
     The traceback keeps its file/line entries; what goes are the references those
     frames held (memoryviews into a mapping, big byte strings), so a mapping can be
     unmapped and memory returns when the call ends, not at the next garbage collection.
-    Frames still executing (the caller's) are left alone.
+    Frames still executing (the caller's) are left alone. The errors it was raised
+    from or during (``__cause__``, ``__context__``; kept even under ``from None``) hold
+    frames too, and are cleared the same way.
     """
-    traceback.clear_frames(error.__traceback__)
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
 
 
 def note(error: BaseException, text: str) -> None:

@@ -177,6 +177,13 @@ class PathEscapeError(UnsafePathError):
     """A name or link that would leave the model directory (absolute, ``..``, drive, ...)."""
 
 
+class OutsideRootError(PathEscapeError):
+    """A directory a caller named that is outside the configured roots (``--adapter-root``),
+    or whose links lead out of them: the caller may not have it read."""
+
+    code = Code.PERMISSION_DENIED
+
+
 class NotRegularFileError(UnsafePathError):
     """A FIFO, device, socket or directory where a regular file is expected."""
 
@@ -329,6 +336,11 @@ class InvalidRequest(WeightdError):
     code = Code.INVALID_ARGUMENT
 
 
+class RequestPathError(InvalidRequest):
+    """A path in a request that is no plain path (a NUL byte, a ``..`` component): the
+    caller's mistake, refused before anything is opened."""
+
+
 class ShardingError(WeightdError):
     """The model cannot be split the way the request asks (a dimension not divisible)."""
 
@@ -367,6 +379,16 @@ class RulesFileError(WeightdError):
         self.problem = problem
 
 
+class UnmatchableName(WeightdError):
+    """A name a file's pattern cannot be matched against the way Python's ``re`` would.
+
+    Only a non-ASCII name against a pattern whose classes RE2 reads as ASCII (see
+    :mod:`weightd.server.base.patterns`): refused rather than answered differently.
+    """
+
+    code = Code.FAILED_PRECONDITION
+
+
 class ModelNotReady(WeightdError):
     """The model is still being verified, or is draining; retrying later can succeed."""
 
@@ -388,6 +410,70 @@ class DataIntegrityError(WeightdError):
     """
 
     code = Code.DATA_LOSS
+
+
+# --- remote sources (object storage) ----------------------------------------------
+
+
+class ObjectStoreError(WeightdError):
+    """The object store a model or adapter comes from failed us; the message names the
+    ``s3://`` object and never a credential. Retrying later can succeed unless a
+    subclass says otherwise."""
+
+    code = Code.UNAVAILABLE
+
+    def __init__(self, uri: str, problem: str) -> None:
+        super().__init__(f"{uri}: {problem}")
+        self.uri = uri
+        self.problem = problem
+
+
+class ObjectStoreUnreachable(ObjectStoreError):
+    """The endpoint refused the connection, timed out or does not resolve."""
+
+
+class ObjectStoreThrottled(ObjectStoreError):
+    """The store kept answering SlowDown / 503 after the SDK's retries with backoff."""
+
+
+class ObjectNotFound(ObjectStoreError):
+    """A bucket, prefix or object that the configuration names does not exist."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class ObjectAccessDenied(ObjectStoreError):
+    """The store refused our credentials (unknown key, bad signature, no permission)."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class ObjectChanged(ObjectStoreError):
+    """An object no longer has the ETag / version pinned when its download began; the
+    download stops rather than mix two versions in one file. Retrying fetches the new
+    version whole."""
+
+    code = Code.ABORTED
+
+
+class ObjectTruncated(ObjectStoreError):
+    """The store sent fewer (or more) bytes than the range or the object's size says."""
+
+    code = Code.DATA_LOSS
+
+
+class ObjectTooLarge(ObjectStoreError):
+    """An object is larger than weightd accepts for what it is (a JSON file of a model
+    directory without a manifest pinning its size): never downloaded."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class RemoteTrustError(WeightdError):
+    """A remote source was named without a trust root: an object store is not one, so a
+    manifest (or an explicit ``--trust-object-store``) is required."""
+
+    code = Code.FAILED_PRECONDITION
 
 
 class ResourceLimitError(WeightdError):

@@ -56,6 +56,7 @@ class SmallFile:
     sha256: str  # hex
     git_sha1: str  # hex of git's blob id (how the Hugging Face cache names small files)
     real_path: str
+    linked: bool = False  # reached through a symbolic link
 
 
 def git_blob_sha1(data: bytes) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..base.errors import CheckpointError, MissingFileError
-from ..base.paths import open_confined
+from ..base.paths import ConfinedDir
 from ..store.shards import ShardStore
 from .description import (
     CONFIG_FILE,
@@ -39,19 +39,35 @@ from .header import Header, header_length, parse_header
 MAX_JSON_BYTES: Final = 64 << 20
 
 
-def read_small(root: str, name: str, link_root: str | None = None) -> tuple[bytes, SmallFile]:
-    """Read a small JSON file confined to ``root`` (a FIFO or a link out is refused)."""
-    opened = open_confined(root, name, link_root=link_root)
-    path = os.path.join(root, name)
+def read_small(
+    directory: ConfinedDir, name: str, limit: int | None = None
+) -> tuple[bytes, SmallFile]:
+    """Read a small JSON file in ``directory``, by descriptor (a FIFO or a link out is
+    refused).
+
+    A file over ``limit`` bytes (default :data:`MAX_JSON_BYTES`) is refused from its
+    size, before a byte of it is read.
+    """
+    if limit is None:
+        limit = MAX_JSON_BYTES
+    opened = directory.open_file(name)
+    path = os.path.join(directory.path, name)
+    if opened.stat.st_size > limit:
+        os.close(opened.fd)
+        raise CheckpointError(
+            path, f"{opened.stat.st_size} bytes, larger than the {limit}-byte limit"
+        )
     try:
         with os.fdopen(opened.fd, "rb") as f:
-            raw = f.read(MAX_JSON_BYTES + 1)
+            raw = f.read(limit + 1)
     except OSError as exc:
         raise CheckpointError(path, f"cannot read: {exc.strerror}") from None
-    if len(raw) > MAX_JSON_BYTES:
-        raise CheckpointError(path, f"larger than the {MAX_JSON_BYTES}-byte limit")
+    if len(raw) > limit:
+        raise CheckpointError(path, f"larger than the {limit}-byte limit")
     digest = hashlib.sha256(raw).hexdigest()
-    return raw, SmallFile(name, len(raw), digest, git_blob_sha1(raw), opened.real_path)
+    return raw, SmallFile(
+        name, len(raw), digest, git_blob_sha1(raw), opened.real_path, opened.linked
+    )
 
 
 def read_header(store: ShardStore, shard: str) -> Header:
@@ -79,41 +95,55 @@ class Scan:
 
 
 def scan_checkpoint(
-    model_dir: str, name: str | None = None, *, link_root: str | None = None
+    model_dir: str, name: str | None = None, *, directory: ConfinedDir | None = None
 ) -> Scan:
     """Open and parse a checkpoint directory, collecting every problem it can.
 
+    ``model_dir`` is opened once (or ``directory`` given, already open: a cache
+    snapshot, whose links may reach its blobs) and every file is opened relative to
+    that descriptor, so a directory swapped meanwhile cannot lead the reads elsewhere.
     Reading goes on past a problem where the rest does not depend on it: every shard
     header is parsed even when one is broken. ``checkpoint`` is None when anything is
-    wrong. The caller owns ``store`` (closing it on failure).
+    wrong. The caller owns ``store``, closing it on failure; the directory is closed
+    when the scan ends.
     """
-    root = os.path.realpath(model_dir)
+    scan = _scan(model_dir, name, directory=directory)
+    scan.store.finish_opening()
+    return scan
+
+
+def _scan(model_dir: str, name: str | None = None, *, directory: ConfinedDir | None = None) -> Scan:
+    """:func:`scan_checkpoint`'s work; the directory is the store's (even on an error)."""
+    if directory is None:
+        try:
+            directory = ConfinedDir.open(model_dir)
+        except CheckpointError as exc:
+            root = os.path.realpath(model_dir)
+            store = ShardStore(root)
+            return Scan(root, name or os.path.basename(root), store, None, None, [exc], {}, [])
+    root = directory.path
     model_name = name or os.path.basename(root)
-    store = ShardStore(root, link_root)
+    store = ShardStore(root, directory)
     scan = Scan(root, model_name, store, None, None, [], {}, [])
-    if not os.path.isdir(root):
-        error = MissingFileError if not os.path.lexists(root) else CheckpointError
-        scan.problems.append(error(model_dir, "is not a directory"))
-        return scan
     config_raw = b""
     try:
-        config_raw, small = read_small(root, CONFIG_FILE, link_root)
+        config_raw, small = read_small(directory, CONFIG_FILE)
         scan.small_files[CONFIG_FILE] = small
         scan.config = parse_config(os.path.join(root, CONFIG_FILE), config_raw)
     except CheckpointError as exc:
         scan.problems.append(exc)
     weight_map: dict[str, str] | None = None
     index_meta: dict[str, Any] | None = None
-    if os.path.lexists(os.path.join(root, INDEX_FILE)):
+    if directory.exists(INDEX_FILE):
         try:
-            raw, small = read_small(root, INDEX_FILE, link_root)
+            raw, small = read_small(directory, INDEX_FILE)
             scan.small_files[INDEX_FILE] = small
             weight_map, index_meta = parse_index(root, raw)
         except CheckpointError as exc:
             scan.problems.append(exc)
             return scan
         scan.shard_names = sorted(set(weight_map.values()))
-    elif os.path.lexists(os.path.join(root, SINGLE_FILE)):
+    elif directory.exists(SINGLE_FILE):
         scan.shard_names = [SINGLE_FILE]
     else:
         scan.problems.append(MissingFileError(root, f"has neither {INDEX_FILE} nor {SINGLE_FILE}"))

@@ -26,6 +26,7 @@ from .client_commands import (
     run_reload,
 )
 from .client_commands import add_parsers as add_client_parsers
+from .source_options import add_arguments as add_source_arguments
 from .trust_commands import add_parsers as add_trust_parsers
 from .trust_commands import add_serve_options, run_manifest, run_verify, serve_verify_options
 
@@ -50,14 +51,21 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         type=_model_arg,
-        metavar="[NAME=]DIR",
-        help="checkpoint directory to serve (repeatable); default: the built-in demo checkpoint",
+        metavar="[NAME=]DIR|s3://BUCKET/PREFIX/",
+        help="checkpoint directory, or an s3:// prefix holding one, to serve (repeatable); "
+        "default: the built-in demo checkpoint",
     )
     s.add_argument(
         "--listen",
         default=None,
         help="gRPC address: unix:///PATH.sock or HOST:PORT "
         f"(default: unix://{default_socket_path()})",
+    )
+    s.add_argument(
+        "--socket-group-access",
+        action="store_true",
+        help="worker and side sockets 0660 in a 0750 directory, so members of the daemon's "
+        "group may connect (default: 0600 in 0700, this user only; admin stays 0600)",
     )
     s.add_argument(
         "--insecure",
@@ -67,12 +75,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--chunk-bytes", type=int, default=1 << 20, help="tensor bytes per message")
     s.add_argument(
+        "--fetch-rehash",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hash each slice again as a Fetch sends it and compare with the anchored digest "
+        "(default); --no-fetch-rehash relies on the shard descriptors' fstat and the "
+        "client's own digest check (docs/grpc-throughput.md)",
+    )
+    s.add_argument(
         "--adapter-root",
         action="append",
         default=[],
         dest="adapter_roots",
-        metavar="DIR",
-        help="a directory LoRA adapters may be loaded from (repeatable); none: no loads",
+        metavar="DIR|s3://BUCKET/PREFIX/",
+        help="a directory (or s3:// prefix) LoRA adapters may be loaded from (repeatable); "
+        "none: no loads",
     )
     s.add_argument(
         "--adapter-budget-bytes",
@@ -93,7 +110,11 @@ def _parser() -> argparse.ArgumentParser:
         "--max-concurrent-rpcs", type=int, default=64, help="beyond this, RESOURCE_EXHAUSTED"
     )
     s.add_argument("--grace", type=float, default=30.0, help="seconds to drain after SIGTERM")
-    s.add_argument("--cache-dir", default=None, help="where the demo checkpoint is created")
+    s.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where the demo checkpoint, the hash cache and downloaded s3:// sources live",
+    )
     s.add_argument(
         "--rules",
         action="append",
@@ -105,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_ops_args(s)
     add_serve_options(s)
     add_local_arguments(s)
+    add_source_arguments(s)
 
     add_fetch_parser(sub)
 
@@ -175,8 +197,14 @@ def _add_ops_args(s: argparse.ArgumentParser) -> None:
         "--max-stream-seconds",
         type=float,
         default=3600.0,
-        help="cancel a Fetch stream running longer than this, whatever the client's deadline "
-        "(0: no cap)",
+        help="end any server stream (Fetch, FetchAdapter, watches) running longer than this, "
+        "whatever the client's deadline (0: no cap)",
+    )
+    s.add_argument(
+        "--stream-idle-seconds",
+        type=float,
+        default=60.0,
+        help="cancel a server stream whose client has taken no message for this long (0: off)",
     )
 
 
@@ -215,20 +243,27 @@ def _cache_dir(arg: str | None) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     from ..daemon.assembly import ServeConfig, serve
+    from ..sources.location import default_model_name, is_remote, parse_s3_uri
     from ..transports.options import from_arguments
     from .demo import DEMO_NAME, ensure_demo_checkpoint
     from .preflight import check_serve
+    from .source_options import from_arguments as source_options
 
     models: list[tuple[str | None, str]] = args.model or []
-    names = [name or os.path.basename(os.path.realpath(d)) for name, d in models] or [DEMO_NAME]
+    for _, source in [*models, *((None, r) for r in args.adapter_roots)]:
+        if is_remote(source):
+            parse_s3_uri(source)  # a malformed location fails here, in one line
+    names = [name or default_model_name(d) for name, d in models] or [DEMO_NAME]
     verify = serve_verify_options(args, names, _cache_dir(args.cache_dir))
     config = ServeConfig(
         models=models,
         listen=args.listen or f"unix://{default_socket_path()}",
         insecure=args.insecure,
+        socket_group_access=args.socket_group_access,
         max_workers=args.max_workers,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         chunk_bytes=args.chunk_bytes,
+        fetch_rehash=args.fetch_rehash,
         grace_seconds=args.grace,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
@@ -239,12 +274,14 @@ def _serve(args: argparse.Namespace) -> int:
         health_listen=args.health_listen,
         reflection=args.reflection,
         max_stream_seconds=args.max_stream_seconds,
+        stream_idle_seconds=args.stream_idle_seconds,
         rules_files=args.rules,
         verify=verify,
         local=from_arguments(args),
         adapter_roots=args.adapter_roots,
         watch_seconds=args.watch_interval,
         adapter_budget_bytes=args.adapter_budget_bytes,
+        sources=source_options(args, _cache_dir(args.cache_dir)),
     )
     # Everything named on the command line is checked before a socket is bound or a
     # line logged: a typo is one line, and leaves no socket directory behind.

@@ -24,6 +24,7 @@ from ..daemon.listeners import admin_address, host_port
 from ..daemon.security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 from ..plan.rules_file import load_rules_file
 from ..rpc.wire import MAX_CHUNK_BYTES
+from ..sources.location import is_remote
 from ..transports.options import check_config
 from ..trust.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from ..trust.signing import load_public_key
@@ -45,10 +46,13 @@ def check_serve(config: ServeConfig, model_names: list[str]) -> None:
             load_public_key(path)
     with _flag("--manifest"):
         for path in config.verify.manifests.values():
+            if is_remote(path):
+                continue  # read (and checked) by the source resolver, before any download
             raw = read_operator_file(path, MAX_MANIFEST_BYTES, ManifestSyntaxError)
             parse_manifest(path, raw)
     for root in config.adapter_roots:
-        _check_directory("--adapter-root", root)
+        if not is_remote(root):
+            _check_directory("--adapter-root", root)
 
 
 @contextlib.contextmanager
@@ -110,7 +114,8 @@ def _check_models(config: ServeConfig, names: list[str]) -> None:
             )
         seen.add(name)
     for _, directory in config.models:
-        _check_directory("--model", directory)
+        if not is_remote(directory):  # checked against the store when the daemon starts
+            _check_directory("--model", directory)
 
 
 def _check_directory(flag: str, path: str) -> None:

@@ -1,20 +1,21 @@
 """Listening addresses: parsing, safe defaults, and the lock that keeps one daemon per socket.
 
-Defaults are local: a Unix socket in a 0700 directory (only this user can connect),
-or TCP on loopback. A Unix socket path is guarded by an ``flock`` on ``<path>.lock``
-because gRPC silently unlinks and takes over an existing socket (grpc #17122).
+Defaults are local: a Unix socket in a 0700 directory (only this user can connect;
+:mod:`.sockets` creates or verifies it), or TCP on loopback. A Unix socket path is
+guarded by an ``flock`` on ``<path>.lock`` because gRPC silently unlinks and takes over
+an existing socket (grpc #17122).
 """
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import os
-import stat
 from dataclasses import dataclass
 from typing import IO
 
+from ..base.cleanup import on_error
 from ..base.errors import ListenError
+from .sockets import remove_stale_socket, secure_directory, take_lock
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,36 +74,14 @@ def parse_address(text: str) -> Address:
     return Address("tcp", host=host or "127.0.0.1", port=port)
 
 
-def prepare_unix_socket(path: str) -> IO[str]:
-    """Make the socket's directory (0700 when we create it) and take the socket's lock.
+def prepare_unix_socket(path: str, *, group: bool = False) -> IO[str]:
+    """Secure the socket's directory, take the socket's lock, clear a stale socket.
 
-    Returns the open lock file, which must stay open for the daemon's lifetime.
+    Returns the open lock file, which must stay open for the daemon's lifetime. The
+    checks themselves (and why each) are in :mod:`.sockets`.
     """
-    directory = os.path.dirname(path)
-    if not os.path.isdir(directory):
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        os.chmod(directory, 0o700)  # makedirs applies the umask; be explicit
-    lock_path = path + ".lock"
-    lock = open(lock_path, "a+")  # noqa: SIM115 - held open for the daemon's lifetime
-    try:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
-        raise ListenError(
-            f"another weightd (pid {holder}) is already serving on unix://{path}"
-        ) from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return lock
-    if not stat.S_ISSOCK(st.st_mode):
-        lock.close()
-        raise ListenError(f"{path} exists and is not a socket; refusing to replace it")
-    os.unlink(path)  # a stale socket from a daemon that died; we hold the lock
+    secure_directory(os.path.dirname(path), group=group)
+    lock = take_lock(path + ".lock", path)
+    with on_error(lock.close, f"the lock on {path}"):
+        remove_stale_socket(path)  # a daemon that died left it; we hold the lock
     return lock

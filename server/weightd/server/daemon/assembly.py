@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
@@ -23,16 +22,19 @@ from ..base.errors import ListenError
 from ..plan.rules import RuleTable
 from ..plan.rules_file import load_rules_file
 from ..registry.filewatch import DEFAULT_INTERVAL_SECONDS, ShardWatcher
-from ..registry.loading import Reloader, load_observed
+from ..registry.loading import Reloader, load_source
 from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters
-from ..rpc.guards import AdminGate, FetchGuard, StreamWatchdog
+from ..rpc.guards import AdminGate
 from ..rpc.interceptors import InflightTracker, RpcObserver
 from ..rpc.requests import RequestGuard
+from ..rpc.streams import DEFAULT_IDLE_SECONDS, StreamBounds, StreamWatchdog
 from ..rpc.weights import WeightsService, add_weights_service
 from ..rpc.wire import DEFAULT_CHUNK_BYTES, WEIGHTS_SERVICE
+from ..sources.location import default_model_name
+from ..sources.resolver import SourceOptions, SourceResolver
 from ..telemetry import logs
-from ..telemetry.metrics import Metrics, MetricsServer, serve_metrics
+from ..telemetry.metrics import Metrics, MetricsServer, SourceMetrics, serve_metrics
 from ..transports.local_server import LocalServer, start_local_server
 from ..transports.options import LocalConfig, check_config
 from ..trust.verify import VerifyOptions
@@ -57,18 +59,23 @@ log = logging.getLogger("weightd")
 class ServeConfig:
     """Everything ``weightd serve`` can be told. One object, filled by the CLI."""
 
-    #: (name or None, directory) of each model to serve.
+    #: (name or None, directory or ``s3://bucket/prefix/``) of each model to serve.
     models: list[tuple[str | None, str]]
     #: A gRPC address: ``unix:///path.sock`` or ``HOST:PORT`` (port 0 picks one).
     listen: str
     #: Allow a TCP address that is not loopback without TLS. Off: weights stay local.
     insecure: bool = False
-    #: Worker threads for RPCs; each streaming fetch holds one for its duration.
+    #: Server streams (Fetch, FetchAdapter, watches) served at once; each holds a worker
+    #: thread for its duration. A few more threads stay free for unary calls.
     max_workers: int = 16
     #: RPCs beyond this many at once are answered RESOURCE_EXHAUSTED, not queued.
     max_concurrent_rpcs: int = 64
     #: Default tensor payload per streamed message.
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: ``--fetch-rehash`` (default) / ``--no-fetch-rehash``: hash each slice's bytes
+    #: again as a Fetch sends them and compare with the anchored digest. Off, the
+    #: daemon relies on the held descriptors' ``fstat`` and the client's own check.
+    fetch_rehash: bool = True
     #: Seconds in-flight RPCs get to finish after SIGTERM.
     grace_seconds: float = 30.0
     #: Sharding rules files (``--rules``), tried before the built-in tables.
@@ -91,8 +98,13 @@ class ServeConfig:
     health_listen: str | None = None
     #: Serve gRPC server reflection (grpc.reflection.v1alpha) on the worker listener.
     reflection: bool = False
-    #: Longest a Fetch stream may run, whatever deadline the client set (0: no cap).
+    #: Worker and side sockets 0660 in a 0750 directory (members of the daemon's group may
+    #: connect) instead of 0600 in 0700. The admin socket stays 0600.
+    socket_group_access: bool = False
+    #: Longest any server stream may run, whatever deadline the client set (0: no cap).
     max_stream_seconds: float = 3600.0
+    #: A stream whose client has not taken a message for this long is cancelled (0: off).
+    stream_idle_seconds: float = DEFAULT_IDLE_SECONDS
     #: Trust sources, hash cache and hashing threads for loading (and reloading) models.
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     #: Same-host transports: shared-memory packs, pinned staging, CUDA IPC.
@@ -104,6 +116,8 @@ class ServeConfig:
     adapter_budget_bytes: int | None = None
     #: Seconds between two checks of every served shard by the file watcher (0: off).
     watch_seconds: float = DEFAULT_INTERVAL_SECONDS
+    #: Remote (``s3://``) models and adapters: endpoint, download engine, cache, trust.
+    sources: SourceOptions = field(default_factory=SourceOptions)
 
 
 @dataclass
@@ -138,6 +152,9 @@ class Daemon:
 
     #: Notices changed shard files, re-verifies and restores (``--watch-interval``).
     watcher: ShardWatcher | None = None
+
+    #: Brings ``s3://`` models and adapters into the local cache.
+    resolver: SourceResolver | None = None
 
     @property
     def target(self) -> str:
@@ -243,7 +260,12 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         metrics_registry.register(GpuMemoryCollector())
     tracker = InflightTracker()
     observer = RpcObserver(metrics, tracker, listeners.model_resolver(registry))
-    watchdog = StreamWatchdog(config.max_stream_seconds) if config.max_stream_seconds > 0 else None
+    watchdog = (
+        StreamWatchdog(config.max_stream_seconds, idle_seconds=config.stream_idle_seconds)
+        if config.max_stream_seconds > 0 or config.stream_idle_seconds > 0
+        else None
+    )
+    bounds = StreamBounds(watchdog, config.max_workers, "worker")
     locks: list[IO[str]] = []
     daemon: Daemon | None = None
 
@@ -255,22 +277,28 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
                 held.close()
 
     with on_error(undo, "the half-built daemon"):
-        lock = prepare_unix_socket(address.path) if address.kind == "unix" else None
+        group = config.socket_group_access
+        lock = prepare_unix_socket(address.path, group=group) if address.kind == "unix" else None
         options = [
             ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
             ("grpc.max_receive_message_length", 1 << 20),  # requests are small
             *config.extra_options,
         ]
         server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=config.max_workers, thread_name_prefix="weightd-rpc"
-            ),
+            listeners.worker_pool(config.max_workers),
             options=options,
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-            interceptors=[observer, RequestGuard(), AdminGate(), FetchGuard(watchdog)],
+            interceptors=[observer, RequestGuard(), AdminGate(), bounds],
         )
+        source_metrics = (
+            SourceMetrics.create(metrics_registry) if metrics_registry is not None else None
+        )
+        resolver = SourceResolver(config.sources, config.verify, source_metrics)
         adapter_service = AdapterService(
-            registry, AdapterRegistry(config.adapter_budget_bytes), config.adapter_roots
+            registry,
+            AdapterRegistry(config.adapter_budget_bytes),
+            config.adapter_roots,
+            resolver=resolver,
         )
         adapters = Adapters(adapter_service)
         service = WeightsService(
@@ -278,6 +306,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             config.chunk_bytes,
             adapters,
             resumes=metrics.fetch_resumes if metrics is not None else None,
+            rehash=config.fetch_rehash,
         )
         add_weights_service(service, server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -295,21 +324,23 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             watchdog=watchdog,
             locks=locks,
             adapters=adapters,
+            resolver=resolver,
         )
         daemon.reloader = Reloader(
             registry,
             metrics,
-            sources={n or os.path.basename(os.path.realpath(d)): d for n, d in config.models},
+            sources={n or default_model_name(d): d for n, d in config.models},
             options=config.verify,
+            resolver=resolver,
         )
         if config.watch_seconds > 0:
             daemon.watcher = ShardWatcher(
                 registry, daemon.reloader, config.watch_seconds, metrics_registry
             )
-        daemon.address = listeners.bind(server, address, tls, "worker")
+        daemon.address = listeners.bind(server, address, tls, "worker", group=group)
         if address.kind == "unix" and config.local.enabled:
             daemon.local = start_local_server(
-                address.path, registry, config.local, driver, adapter_service
+                address.path, registry, config.local, driver, adapter_service, group=group
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)
@@ -321,13 +352,16 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             log.warning("%s", warning)
         if admin_address is not None:
             if admin_address.kind == "unix":
-                locks.append(prepare_unix_socket(admin_address.path))
+                shared = os.path.dirname(admin_address.path) == os.path.dirname(address.path)
+                locks.append(prepare_unix_socket(admin_address.path, group=group and shared))
             daemon.admin_server = listeners.admin_server(
-                daemon.reloader, observer, allowed, adapters
+                daemon.reloader, observer, allowed, adapters, watchdog
             )
             daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
         if config.health_listen is not None:
-            daemon.health_server = listeners.health_server(health_servicer, observer)
+            daemon.health_server = listeners.health_server(
+                health_servicer, observer, watchdog, bounds
+            )
             daemon.health_address = listeners.bind(
                 daemon.health_server, parse_address(config.health_listen), None, "health"
             )
@@ -352,14 +386,15 @@ def load_models(
     tables: Sequence[RuleTable] = (),
     options: VerifyOptions | None = None,
 ) -> None:
-    """Verify and publish each model; the first failure propagates (nothing half-published)."""
-    named = [(name or os.path.basename(os.path.realpath(d)), d) for name, d in models]
+    """Verify and publish each model (an ``s3://`` one downloaded into the cache first, or
+    found there warm); the first failure propagates (nothing half-published)."""
+    named = [(name or default_model_name(d), d) for name, d in models]
     for name, _ in named:
         daemon.registry.expect(name)
         if daemon.metrics is not None:
             daemon.metrics.model_known(name)
-    for name, directory in named:
-        model, _ = load_observed(directory, name, daemon.metrics, tables, options)
+    for name, source in named:
+        model, _ = load_source(source, name, daemon.metrics, tables, options, daemon.resolver)
         daemon.registry.publish(model)
 
 

@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from concurrent import futures
 from importlib import metadata
+from typing import Final
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -19,10 +20,13 @@ from ..registry.loading import Reloader
 from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.admin import create_admin_server
+from ..rpc.health import ListenerHealth
 from ..rpc.interceptors import RpcObserver
 from ..rpc.requests import RequestGuard
+from ..rpc.streams import StreamBounds, StreamWatchdog
 from .addresses import Address, default_socket_path, parse_address
 from .security import TlsMaterial
+from .sockets import restrict_socket
 
 ADMIN_SOCKET_NAME = "admin.sock"
 
@@ -62,8 +66,19 @@ def host_port(text: str) -> tuple[str, int]:
     return address.host, address.port
 
 
-def bind(server: grpc.Server, address: Address, tls: TlsMaterial | None, what: str) -> Address:
-    """Add ``address`` to ``server`` (TLS when ``tls`` and TCP); the bound address."""
+def bind(
+    server: grpc.Server,
+    address: Address,
+    tls: TlsMaterial | None,
+    what: str,
+    *,
+    group: bool = False,
+) -> Address:
+    """Add ``address`` to ``server`` (TLS when ``tls`` and TCP); the bound address.
+
+    A Unix socket is created by the bind with the umask's mode; it is set at once
+    (0600, 0660 with ``group``) so a umask of 000 never leaves it 0777.
+    """
     try:
         if tls is not None and address.kind == "tcp":
             port = server.add_secure_port(address.grpc_target, tls.server_credentials())
@@ -76,6 +91,7 @@ def bind(server: grpc.Server, address: Address, tls: TlsMaterial | None, what: s
         ) from None
     if address.kind == "tcp":
         return Address("tcp", host=address.host, port=port)
+    restrict_socket(address.path, group=group)
     return address
 
 
@@ -84,19 +100,50 @@ def admin_server(
     observer: RpcObserver,
     allowed: frozenset[str] | None,
     adapters: Adapters | None = None,
+    watchdog: StreamWatchdog | None = None,
 ) -> grpc.Server:
-    return create_admin_server(reloader, observer, allowed, adapters)
+    bounds = StreamBounds(watchdog, ADMIN_MAX_STREAMS, "admin")
+    return create_admin_server(reloader, observer, allowed, adapters, bounds)
 
 
-def health_server(servicer: health.HealthServicer, observer: RpcObserver) -> grpc.Server:
-    """A plaintext gRPC server with only grpc.health.v1: what kubelet gRPC probes can reach."""
+#: Threads of the health listener, and the Watch streams it holds at most: the rest
+#: always answer Check, whatever Watch clients do.
+HEALTH_THREADS: Final = 6
+HEALTH_MAX_WATCHES: Final = 2
+ADMIN_MAX_STREAMS: Final = 1
+#: Worker-listener threads kept for unary calls (Check, ListModels, DescribeModel)
+#: on top of ``--max-workers``, which is the number of streams served at once.
+RESERVED_THREADS: Final = 4
+
+
+def worker_pool(max_workers: int) -> futures.ThreadPoolExecutor:
+    """The worker listener's threads: ``max_workers`` for streams, a reserve for the rest."""
+    return futures.ThreadPoolExecutor(
+        max_workers=max_workers + RESERVED_THREADS, thread_name_prefix="weightd-rpc"
+    )
+
+
+def health_server(
+    servicer: health.HealthServicer,
+    observer: RpcObserver,
+    watchdog: StreamWatchdog | None,
+    worker: StreamBounds,
+) -> grpc.Server:
+    """A plaintext gRPC server with only grpc.health.v1: what kubelet gRPC probes can reach.
+
+    Its own small pool, with Watch streams bounded below it (see :mod:`..rpc.health`).
+    """
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightd-health"),
-        interceptors=[observer, RequestGuard()],
+        futures.ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="weightd-health"),
+        interceptors=[
+            observer,
+            RequestGuard(),
+            StreamBounds(watchdog, HEALTH_MAX_WATCHES, "health"),
+        ],
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4 << 10)],
         maximum_concurrent_rpcs=16,
     )
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(ListenerHealth(servicer, worker), server)
     return server
 
 

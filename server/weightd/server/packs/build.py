@@ -41,6 +41,7 @@ from ..base.errors import DataIntegrityError, PackMemoryExhausted
 from ..plan.planner import RankPlan
 from ..plan.slices import TensorSlice
 from ..registry.models import LoadedModel
+from .hugepages import advise_and_allocate, allocate_by_advice, shmem_mode
 
 #: Every tensor in a pack starts at a multiple of this many bytes.
 PACK_ALIGN: Final = 256
@@ -129,14 +130,16 @@ class HostPack:
             os.close(self.fd)  # the descriptor goes even if the mapping is still in use
 
 
-def build_host_pack(model: LoadedModel, plan: RankPlan, label: str) -> HostPack:
+def build_host_pack(
+    model: LoadedModel, plan: RankPlan, label: str, *, huge_mode: str | None = None
+) -> HostPack:
     """Lay out, fill, seal and verify the pack for ``plan``; on doubt it raises, unpublished."""
     digests = [model.slice_anchor(s, plan.layout) for s in plan.slices]
 
     def fill(s: TensorSlice, into: memoryview) -> None:
         model.store.read_pattern_into(s.shard, s.pattern, into)
 
-    return build_pack(plan.slices, digests, fill, label)
+    return build_pack(plan.slices, digests, fill, label, huge_mode=huge_mode)
 
 
 #: ``fill(slice, into)``: write exactly the slice's bytes into ``into``.
@@ -144,14 +147,21 @@ FillFn = Callable[[TensorSlice, memoryview], None]
 
 
 def build_pack(
-    slices: Sequence[TensorSlice], digests: Sequence[str], fill: FillFn, label: str
+    slices: Sequence[TensorSlice],
+    digests: Sequence[str],
+    fill: FillFn,
+    label: str,
+    *,
+    huge_mode: str | None = None,
 ) -> HostPack:
     """A sealed, re-verified pack of ``slices`` (each must hash to its digest), from ``fill``.
 
     Base weights fill from the shard store's descriptors; adapters from the verified
     in-memory copy of their weights file. Either way nothing is published before the
-    sealed bytes were re-hashed against the digests.
+    sealed bytes were re-hashed against the digests. ``huge_mode``: the shmem THP mode
+    to build for (None: this kernel's; see :mod:`.hugepages`).
     """
+    by_advice = allocate_by_advice(shmem_mode() if huge_mode is None else huge_mode)
     offsets, size = layout_pack(slices)
     fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     with on_error(lambda: os.close(fd), f"the memfd of pack {label}"):
@@ -160,12 +170,13 @@ def build_pack(
             # a shortage is an error here, not SIGBUS or the OOM killer on first touch
             # (PITFALLS: /dev/shm and shmem fill up silently).
             os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
+            if not by_advice:  # else through the advised writer mapping, in _fill
+                os.posix_fallocate(fd, 0, size)
         except OSError as exc:
             raise PackMemoryExhausted(
                 f"cannot allocate {size} bytes of shared memory for pack {label}: {exc.strerror}"
             ) from None
-        _fill(slices, fill, offsets, fd, size, label)
+        _fill(slices, fill, offsets, fd, size, label, by_advice=by_advice)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, PACK_SEALS)
         entries = tuple(
             PackEntry(s.name, s.dtype, s.shape, off, s.nbytes, d, s.split_dim, s.replicated)
@@ -184,8 +195,18 @@ def _fill(
     fd: int,
     size: int,
     label: str,
+    *,
+    by_advice: bool = False,
 ) -> None:
     writer = mmap.mmap(fd, size)  # MAP_SHARED, writable: the one writer, unmapped before sealing
+    if by_advice and size:
+        try:
+            advise_and_allocate(writer)
+        except OSError as exc:
+            writer.close()
+            raise PackMemoryExhausted(
+                f"cannot allocate {size} bytes of shared memory for pack {label}: {exc.strerror}"
+            ) from None
     # A fill that fails (a shard changed under us: DATA_LOSS) must surface as itself,
     # not as the BufferError of unmapping while its frames still hold views of the map.
     with closing(writer.close, f"the writer mapping of pack {label}"), memoryview(writer) as view:

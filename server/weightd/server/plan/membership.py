@@ -12,11 +12,11 @@ alone, never from a tensor's dtype, shape or offset.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..base.errors import ShardingError
+from ..base.patterns import Match
 from ..checkpoint.description import Checkpoint, TensorInfo
 from .layout import Layout, stage_ranges
 from .rules import ArchRules, Experts, Rule, Stage
@@ -34,7 +34,7 @@ def membership_of(
     ckpt: Checkpoint,
     rules: ArchRules,
     layout: Layout,
-    found: Mapping[str, tuple[Rule, re.Match[str]]],
+    found: Mapping[str, tuple[Rule, Match]],
 ) -> Membership:
     stages = None
     if layout.pp_size > 1:
@@ -64,9 +64,7 @@ def membership_of(
     return Membership(layout, stages, expert_block, tied)
 
 
-def held(
-    t: TensorInfo, rule: Rule, m: re.Match[str], rules: ArchRules, ctx: Membership
-) -> str | None:
+def held(t: TensorInfo, rule: Rule, m: Match, rules: ArchRules, ctx: Membership) -> str | None:
     """None when this worker holds ``t``; else why not (for a by-name request)."""
     layout = ctx.layout
     if ctx.stages is not None:
@@ -98,7 +96,13 @@ def held(
             stages = " and ".join(str(o) for o in owners)
             return f"it belongs to pipeline stage {stages} ({what})"
     if rule.experts is Experts.INDEXED:
-        expert = int(m.group("expert"))
+        group = m.group("expert")
+        if group is None:
+            raise ShardingError(
+                f"tensor {t.name!r} matches expert rule {rule.pattern!r}, whose (?P<expert>...) "
+                "group did not take part in the match"
+            )
+        expert = int(group)
         count = rules.num_experts
         if count is None or expert >= count:
             raise ShardingError(

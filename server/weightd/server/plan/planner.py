@@ -35,7 +35,6 @@ where ``TensorSlice``, ``slice_tensor`` and ``peer_slices`` live.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +46,7 @@ from ..base.errors import (
     TensorNotInLayout,
     echo,
 )
+from ..base.patterns import Match
 from ..checkpoint.description import Checkpoint
 from ..store.runs import whole_pattern
 from .layout import Layout
@@ -86,10 +86,8 @@ def rules_or_fail(ckpt: Checkpoint, rules: ArchRules | None, layout: Layout) -> 
     return rules
 
 
-def _match_all(
-    ckpt: Checkpoint, rules: ArchRules, layout: Layout
-) -> dict[str, tuple[Rule, re.Match[str]]]:
-    found: dict[str, tuple[Rule, re.Match[str]]] = {}
+def _match_all(ckpt: Checkpoint, rules: ArchRules, layout: Layout) -> dict[str, tuple[Rule, Match]]:
+    found: dict[str, tuple[Rule, Match]] = {}
     for t in ckpt.tensors.values():
         hit = rules.rule_for(t.name)
         if hit is None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import enum
 import functools
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ..base.errors import ConfigError
+from ..base.errors import ConfigError, RulesFileError
+from ..base.patterns import Match, Pattern, compile_pattern
 from .quant import QuantScheme, parse_quantization
 
 #: Bound on remembered name matches per model (the largest checkpoints have ~100k tensors).
@@ -61,8 +61,13 @@ class Experts(enum.Enum):
 
 
 @functools.lru_cache(maxsize=4096)
-def compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+def compiled(pattern: str, source: str = "a sharding rules table") -> Pattern:
+    """``pattern`` through the linear-time engine (``base.patterns``), compiled once.
+
+    Tables are checked when parsed (``rules_file``), so this raises only for a table
+    built by hand with a pattern no file could have carried.
+    """
+    return compile_pattern(pattern, source, lambda why: RulesFileError(source, f"pattern {why}"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +77,11 @@ class Rule:
     stage: Stage | None = None
     parts: int = 2  # FUSED only: how many equal parts the output dim concatenates
     experts: Experts | None = None
+    #: Where the pattern came from ("FILE rules[3].match"), quoted if a name is refused.
+    source: str = field(default="a sharding rules table", compare=False)
 
-    def search(self, name: str) -> re.Match[str] | None:
-        return compiled(self.pattern).search(name)
+    def search(self, name: str) -> Match | None:
+        return compiled(self.pattern, self.source).search(name)
 
     def matches(self, name: str) -> bool:
         return self.search(name) is not None
@@ -101,11 +108,11 @@ class ArchRules:
     source: str = "built-in"
     #: name → first match, filled on use: every plan matches every tensor name, and a
     #: model's names and rules never change (a reload binds new ArchRules).
-    _matches: dict[str, tuple[Rule, re.Match[str]] | None] = field(
+    _matches: dict[str, tuple[Rule, Match] | None] = field(
         default_factory=dict, compare=False, repr=False
     )
 
-    def rule_for(self, name: str) -> tuple[Rule, re.Match[str]] | None:
+    def rule_for(self, name: str) -> tuple[Rule, Match] | None:
         """The first rule whose pattern matches ``name``, with its match."""
         if name in self._matches:
             return self._matches[name]
@@ -125,7 +132,8 @@ class ArchRules:
 
     def layer_of(self, name: str) -> int | None:
         m = compiled(self.layer_pattern).search(name)
-        return None if m is None else int(m.group("layer"))
+        layer = None if m is None else m.group("layer")
+        return None if layer is None else int(layer)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,19 +21,22 @@ built-in one does. Example (every key except ``family``, ``rules`` and one of
     }
 
 Rules are tried in order; the first whose ``match`` (a Python regex, searched) fits a
-tensor name applies. Everything is checked here, at start-up: unknown keys, bad
-regexes, splits that need head counts in a table without ``attention``, expert
-rules without ``experts``. Each error names the file and the rule's index.
+tensor name applies. Patterns are matched by the linear-time engine of
+:mod:`weightd.server.base.patterns` (a file's pattern must not be able to stall the
+daemon), which refuses backreferences, lookaround and repeats over ``{1000}``.
+Everything is checked here, at start-up: unknown keys, bad regexes, splits that need
+head counts in a table without ``attention``, expert rules without ``experts``. Each
+error names the file and the rule's index.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any, Final
 
 from ..base.errors import RulesFileError
+from ..base.patterns import Pattern, compile_pattern
 from .rules import DEFAULT_LAYER_PATTERN, AttentionFields, Experts, Rule, RuleTable, Split, Stage
 
 MAX_RULES_BYTES: Final = 1 << 20
@@ -65,14 +68,13 @@ def _object(path: str, doc: Mapping[str, Any], key: str, allowed: frozenset[str]
     return dict(value)
 
 
-def _regex(path: str, where: str, pattern: object) -> str:
+def _regex(path: str, where: str, pattern: object) -> Pattern:
+    """Compile a table's pattern with the linear-time engine, or say why not (file, field)."""
     if not isinstance(pattern, str) or not pattern:
         raise RulesFileError(path, f"{where} must be a non-empty regex string")
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise RulesFileError(path, f"{where} {pattern!r} is not a valid regex: {exc}") from None
-    return pattern
+    return compile_pattern(
+        pattern, f"{path} {where}", lambda why: RulesFileError(path, f"{where} {why}")
+    )
 
 
 def _enum(
@@ -93,7 +95,7 @@ def _rule(path: str, i: int, doc: object, has_attention: bool, has_experts: bool
             raise RulesFileError(
                 path, f"{where}.{k}: unknown key (known: {', '.join(sorted(_RULE_KEYS))})"
             )
-    pattern = _regex(path, f"{where}.match", doc.get("match"))
+    compiled = _regex(path, f"{where}.match", doc.get("match"))
     split = _enum(path, f"{where}.split", doc.get("split"), Split)
     stage = None if doc.get("stage") is None else _enum(path, f"{where}.stage", doc["stage"], Stage)
     parts = doc.get("parts", 2)
@@ -101,7 +103,7 @@ def _rule(path: str, i: int, doc: object, has_attention: bool, has_experts: bool
         raise RulesFileError(path, f"{where}.parts applies only to split 'fused_column'")
     if not isinstance(parts, int) or isinstance(parts, bool) or not 2 <= parts <= 64:
         raise RulesFileError(path, f"{where}.parts must be an integer from 2 to 64, got {parts!r}")
-    grouped = "expert" in re.compile(pattern).groupindex
+    grouped = "expert" in compiled.groupindex
     experts: Experts | None = Experts.INDEXED if grouped else None
     if doc.get("experts") is not None:
         experts = _enum(path, f"{where}.experts", doc["experts"], Experts)
@@ -117,7 +119,7 @@ def _rule(path: str, i: int, doc: object, has_attention: bool, has_experts: bool
         raise RulesFileError(
             path, f"{where}.split {split.value!r} needs head counts: the table has no 'attention'"
         )
-    return Rule(pattern, split, stage, parts, experts)
+    return Rule(compiled.text, split, stage, parts, experts, compiled.source)
 
 
 def parse_table(doc: object, path: str) -> RuleTable:
@@ -160,8 +162,9 @@ def parse_table(doc: object, path: str) -> RuleTable:
     if doc.get("layers") is not None:
         layers = _object(path, doc, "layers", frozenset({"count", "pattern"}))
         layers_field = layers.get("count", layers_field)
-        layer_pattern = _regex(path, "layers.pattern", layers.get("pattern", layer_pattern))
-        if "layer" not in re.compile(layer_pattern).groupindex:
+        compiled = _regex(path, "layers.pattern", layers.get("pattern", layer_pattern))
+        layer_pattern = compiled.text
+        if "layer" not in compiled.groupindex:
             raise RulesFileError(path, "layers.pattern needs a (?P<layer>...) group")
     raw_rules = doc.get("rules")
     if not isinstance(raw_rules, list) or not raw_rules:
@@ -206,6 +209,7 @@ def load_rules_file(path: str) -> RuleTable:
 
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=hook, parse_constant=constant)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: nesting deeper than the parser's stack, one line like the rest.
         raise RulesFileError(path, f"not valid JSON: {exc}") from None
     return parse_table(doc, path)

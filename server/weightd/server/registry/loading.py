@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..base.errors import InvalidRequest, ModelNotFound, ModelNotReady, WeightdError
 from ..plan.rules import RuleTable
+from ..sources.resolver import SourceResolver
 from ..telemetry import logs
 from ..telemetry.metrics import Metrics, failure_reason
 from ..trust.verify import VerifyOptions
@@ -64,6 +65,23 @@ def load_observed(
     return model, seconds
 
 
+def load_source(
+    source: str,
+    name: str,
+    metrics: Metrics | None,
+    tables: Sequence[RuleTable] = (),
+    options: VerifyOptions | None = None,
+    resolver: SourceResolver | None = None,
+) -> tuple[LoadedModel, float]:
+    """:func:`load_observed` of ``source``: a local directory as it is, an ``s3://`` one
+    first brought into the cache (downloaded, or found warm) by ``resolver``."""
+    if resolver is not None:
+        resolved = resolver.resolve_model(name, source)
+        source = resolved.directory
+        options = resolved.options or options
+    return load_observed(source, name, metrics, tables, options)
+
+
 @dataclass(frozen=True)
 class ReloadResult:
     model: LoadedModel
@@ -95,8 +113,10 @@ class Reloader:
         *,
         sources: Mapping[str, str] | None = None,
         options: VerifyOptions | None = None,
+        resolver: SourceResolver | None = None,
     ) -> None:
         self._registry = registry
+        self._resolver = resolver
         self._metrics = metrics
         self._sources = dict(sources or {})
         self._options = options
@@ -130,9 +150,13 @@ class Reloader:
 
     def load_aside(self, model: LoadedModel) -> tuple[LoadedModel, float]:
         """Load and verify ``model``'s directory again with its rules and the daemon's trust
-        options, publishing nothing; the caller publishes or closes the result."""
+        options, publishing nothing; the caller publishes or closes the result. A remote
+        source is listed again first: a new version in the store is downloaded (aside,
+        into its own version directory) and verified before anything is swapped."""
         directory = self._sources.get(model.name, model.checkpoint.root)
-        return load_observed(directory, model.name, self._metrics, model.tables, self._options)
+        return load_source(
+            directory, model.name, self._metrics, model.tables, self._options, self._resolver
+        )
 
     def reload(self, name: str) -> ReloadResult:
         """Re-read and re-verify ``name`` from its directory; swap in only on success."""

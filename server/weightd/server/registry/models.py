@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from weightd.common.digests import SLICE_DIGEST_ALGORITHM
+
 from ..base.cleanup import on_error
 from ..base.errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady, echo
 from ..checkpoint.description import Checkpoint
@@ -67,8 +69,10 @@ class LoadedModel:
             h.update(f"\0{t.name}\0{t.dtype}\0{t.shape}\0{self.tensor_digests[t.name]}".encode())
         return h.hexdigest()
 
-    def slice_anchor(self, s: TensorSlice, layout: Layout) -> str:
-        """The verified digest of slice ``s`` of the worker at ``layout``.
+    def slice_anchor(
+        self, s: TensorSlice, layout: Layout, kind: str = SLICE_DIGEST_ALGORITHM
+    ) -> str:
+        """The verified ``kind`` digest (SHA-256, BLAKE3) of slice ``s`` of the worker at layout.
 
         Every peer slice of its cut is anchored together (one read of the tensor proves
         each of them against the verified whole-tensor digest). The gRPC stream checks
@@ -77,12 +81,12 @@ class LoadedModel:
         """
         tensor = self.checkpoint.tensors[s.name]
         if s.partition.count == 1:
-            return self.anchors.get(tensor, s.partition.key, 0, lambda: [s.pattern])
+            return self.anchors.get(tensor, s.partition.key, 0, lambda: [s.pattern], kind)
 
         def every_peer() -> list[RunPattern]:
             return [p.pattern for p in peer_slices(self.checkpoint, self.rules, s, layout)]
 
-        return self.anchors.get(tensor, s.partition.key, s.partition.index, every_peer)
+        return self.anchors.get(tensor, s.partition.key, s.partition.index, every_peer, kind)
 
     def plan(self, world_size: int, rank: int, names: tuple[str, ...] = ()) -> RankPlan:
         """The tensor-parallel-only shorthand of :meth:`plan_layout`."""

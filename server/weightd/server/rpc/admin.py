@@ -84,11 +84,18 @@ def create_admin_server(
     observer: RpcObserver,
     allowed: frozenset[str] | None,
     adapters: Adapters | None = None,
+    bounds: grpc.ServerInterceptor | None = None,
 ) -> grpc.Server:
-    """A small gRPC server carrying only the Admin service (ports are added by the caller)."""
+    """A small gRPC server carrying only the Admin service (ports are added by the caller).
+
+    ``bounds`` (the daemon's :class:`~.streams.StreamBounds`) bounds any server stream.
+    """
+    interceptors: list[grpc.ServerInterceptor] = [observer, RequestGuard()]
+    if bounds is not None:
+        interceptors.append(bounds)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightd-admin"),
-        interceptors=[observer, RequestGuard(), AdminAuthorizer(allowed)],
+        interceptors=[*interceptors, AdminAuthorizer(allowed)],
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10)],
         maximum_concurrent_rpcs=4,
     )

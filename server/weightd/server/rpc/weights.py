@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -10,13 +9,20 @@ from typing import Any, TypeVar
 import grpc
 from prometheus_client import Counter
 
-from weightd.common.digests import slice_digest
+from weightd.common.digests import slice_digest, slice_kind
 from weightd.v1 import weightd_pb2 as pb
 
-from ..base.errors import DataIntegrityError, ModelChanged, NoAdapters, WeightdError
+from ..base.errors import (
+    DataIntegrityError,
+    InvalidRequest,
+    ModelChanged,
+    NoAdapters,
+    WeightdError,
+)
 from ..plan.layout import Layout
 from ..plan.planner import RankPlan
 from ..registry.models import LoadedModel, ModelRegistry
+from ..trust.integrity import slice_hasher
 from .adapters import Adapters
 from .resume import resume_start
 from .status import abort, unary
@@ -45,8 +51,13 @@ class WeightsService:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         adapters: Adapters | None = None,
         resumes: Counter | None = None,
+        *,
+        rehash: bool = True,
     ) -> None:
         self.registry = registry
+        #: ``--fetch-rehash``: hash every slice's bytes again as they are sent and compare
+        #: with the anchor before sending its digest (see :meth:`_stream`).
+        self.rehash = rehash
         self.chunk_bytes = chunk_bytes
         self.adapters = adapters
         #: ``weightd_fetch_resumes_total``: how often restarts cost clients a resume.
@@ -109,7 +120,15 @@ class WeightsService:
             architecture=ckpt.architecture,
             config_json=ckpt.config_json,
             total_bytes=ckpt.total_bytes,
+            model_fingerprint=m.fingerprint,
         )
+        # Every file the load read and verified, so a client can prove a local copy
+        # (vLLM's model directory) is this checkpoint. A shard's SHA-256 is present
+        # when the daemon hashed the whole file (manifest, HF cache); its size always.
+        for name in sorted(set(ckpt.small_files) | set(ckpt.shards)):
+            known = m.file_digests.get(name)
+            size = known.size if known is not None else m.store.shard(name).identity.size
+            out.files.add(name=name, size=size, sha256=known.sha256 if known else "")
         for t in ckpt.tensors.values():
             out.tensors.add(
                 name=t.name,
@@ -129,6 +148,10 @@ class WeightsService:
             model = self.registry.get(request.model)
             plan = model.plan_layout(Layout.of(request.layout), tuple(request.names))
             chunk = chunk_bytes(request.max_chunk_bytes, self.chunk_bytes)
+            try:
+                kind = slice_kind(request.slice_digest)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
             served = model.fingerprint
             try:
                 start = resume_start(
@@ -150,8 +173,11 @@ class WeightsService:
                     len(plan.slices),
                     context.peer(),
                 )
-            yield pb.FetchResponse(model_fingerprint=served)
-            yield from self._stream(model, plan, chunk, context, start)
+            # The kind is named only to a client that asked: an old client's stream
+            # stays byte for byte what it was.
+            named = kind if request.slice_digest else ""
+            yield pb.FetchResponse(model_fingerprint=served, slice_digest=named)
+            yield from self._stream(model, plan, chunk, context, start, kind)
         except Exception as exc:
             if isinstance(exc, DataIntegrityError) and model is not None:
                 self.registry.mark_broken(model, str(exc))
@@ -170,21 +196,28 @@ class WeightsService:
         chunk: int,
         context: grpc.ServicerContext,
         start: int = 0,
+        kind: str = "sha256",
     ) -> Iterator[EncodedResponse]:
         """The rank's chunks, ``chunk`` payload bytes per message at most, hand-encoded.
 
-        Each slice's bytes are hashed as they are read; the piece that completes a slice
-        carries its digest only once those bytes were found to hash to the verified
-        (anchored) digest. Pieces are referenced, not copied, until gRPC serializes the
-        message (see :mod:`.wire` for why messages are not built with protobuf).
+        With :attr:`rehash` (the default), each slice's bytes are hashed (``kind``) as
+        they are read, and the piece that completes a slice carries its digest only once
+        those bytes were found to hash to the verified (anchored) digest. Without it the
+        anchored digest is sent as it is: the store still compares each shard's
+        ``fstat`` with the verified one after every read, and the client checks every
+        byte against the digest; what is lost is the daemon noticing, by itself, bytes
+        changed under an unchanged size and mtime (docs/grpc-throughput.md). Pieces are
+        referenced, not copied, until gRPC serializes the message (see :mod:`.wire` for
+        why messages are not built with protobuf).
         """
+        rehash = self.rehash
         pending = EncodedResponse()
         for index, s in enumerate(plan.slices):
             if index < start:
                 continue  # a resume: the client holds these already
             if not context.is_active():
                 return
-            anchored = model.slice_anchor(s, plan.layout)
+            anchored = model.slice_anchor(s, plan.layout, kind)
             header: pb.SliceHeader | None = pb.SliceHeader(
                 name=s.name,
                 dtype=s.dtype,
@@ -193,17 +226,18 @@ class WeightsService:
                 split_dim=s.split_dim,
                 replicated=s.replicated,
             )
-            hasher = hashlib.sha256()
+            hasher = slice_hasher(kind) if rehash else None
             offset = 0
             pieces: Iterator[Buffer] = model.store.iter_pattern(s.shard, s.pattern, chunk)
             if s.nbytes == 0:
                 pieces = iter([b""])
             for data in pieces:
                 size = len(data)
-                hasher.update(data)
+                if hasher is not None:
+                    hasher.update(data)
                 digest = ""
                 if offset + size == s.nbytes:
-                    actual = slice_digest(hasher)
+                    actual = anchored if hasher is None else slice_digest(hasher, kind)
                     if actual != anchored:
                         raise DataIntegrityError(
                             f"tensor {s.name!r} in shard {s.shard}: slice bytes read now hash to "

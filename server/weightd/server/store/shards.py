@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ..base.errors import DataIntegrityError
-from ..base.paths import open_confined
+from ..base.paths import ConfinedDir
 from .runs import RunPattern
 
 #: Gaps between wanted segments up to this size are read into a scratch buffer so a
@@ -77,15 +77,19 @@ class OpenShard:
     identity: FileIdentity
     real_path: str = ""  # where the name resolved when opened (a cache blob, say)
     nlink: int = 1  # links when opened: unlinking (a rename over the path) changes ctime
+    linked: bool = False  # reached through a symbolic link
 
 
 class ShardStore:
     """Owns the descriptors of one model's shards; thread-safe for concurrent reads."""
 
-    def __init__(self, root: str, link_root: str | None = None) -> None:
+    def __init__(self, root: str, directory: ConfinedDir | None = None) -> None:
         self.root = root
-        #: Where links may also resolve (a Hugging Face cache's blobs/); None: only root.
-        self.link_root = link_root
+        #: The model directory, open by descriptor: every shard is opened relative to it
+        #: (see :mod:`weightd.server.base.paths`). Opened on first use when not given;
+        #: the store owns it until :meth:`finish_opening`.
+        self._directory = directory
+        self._opening = True
         self._shards: dict[str, OpenShard] = {}
         self._scratch = bytearray(MAX_GAP_BYTES)
         self._lock = threading.Lock()
@@ -95,7 +99,11 @@ class ShardStore:
         with self._lock:
             if name in self._shards:
                 return self._shards[name]
-            f = open_confined(self.root, name, link_root=self.link_root)
+            if not self._opening:
+                raise RuntimeError(f"shard {name!r} asked for after {self.root} was closed")
+            if self._directory is None:
+                self._directory = ConfinedDir.open(self.root)
+            f = self._directory.open_file(name)
             shard = OpenShard(
                 name,
                 os.path.join(self.root, name),
@@ -103,9 +111,19 @@ class ShardStore:
                 FileIdentity.of(f.stat),
                 f.real_path,
                 f.stat.st_nlink,
+                f.linked,
             )
             self._shards[name] = shard
             return shard
+
+    def finish_opening(self) -> None:
+        """Every shard is open: let go of the directory (its descriptor is not needed
+        to read them, and a model should hold only its shards' descriptors)."""
+        with self._lock:
+            self._opening = False
+            if self._directory is not None:
+                self._directory.close()
+                self._directory = None
 
     def shard(self, name: str) -> OpenShard:
         return self._shards[name]
@@ -121,6 +139,10 @@ class ShardStore:
             self._closed = True
             for shard in self._shards.values():
                 os.close(shard.fd)
+            self._opening = False
+            if self._directory is not None:
+                self._directory.close()
+                self._directory = None
 
     # --- integrity -----------------------------------------------------------------
 

@@ -24,6 +24,7 @@ log = logging.getLogger("weightd")
 EVENTS: Final = frozenset(
     {"start", "listening", "verified", "serving", "reload", "verify_failed", "drain", "exit"}
     | {"file_changed", "restore"}  # the file watcher (filewatch.py)
+    | {"download"}  # remote sources (sources/resolver.py)
 )
 
 _EVENT_ATTR: Final = "weightd_event"

@@ -18,18 +18,17 @@ memory (file mappings, page cache residency, GPU) is computed on scrape by
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Final
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from ..base import errors
+from .httpserver import MetricsHttpServer
 
 log = logging.getLogger("weightd.metrics")
 
@@ -177,10 +176,10 @@ class _BuildInfo:
 class MetricsServer:
     """The HTTP listener Prometheus scrapes (``/metrics``); separate from gRPC on purpose:
     scrapers need no gRPC, TLS or socket permissions, and a scrape never competes with
-    a Fetch for an RPC thread."""
+    a Fetch for an RPC thread. Bounded in threads, connections and time
+    (:mod:`.httpserver`)."""
 
-    server: WSGIServer
-    thread: threading.Thread
+    server: MetricsHttpServer
     host: str
     port: int
 
@@ -190,16 +189,102 @@ class MetricsServer:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
     """Start the metrics listener on ``host:port`` (port 0 picks a free one)."""
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        server = MetricsHttpServer(registry, host, port)
     except OSError as exc:
         raise errors.ListenError(
             f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
         ) from None
-    return MetricsServer(server, thread, host, int(server.server_port))
+    return MetricsServer(server, host, server.port)
+
+
+#: Downloads from object storage take seconds to hours (a 400 GB model over 1 Gb/s).
+DOWNLOAD_BUCKETS: Final = (0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+
+#: Why a download from a remote source failed (pure table, most specific first; the
+#: errors come from base.errors, so the table is written against those classes).
+_SOURCE_REASONS: Final[tuple[tuple[type[BaseException], str], ...]] = (
+    (errors.ObjectNotFound, "not_found"),
+    (errors.ObjectAccessDenied, "access_denied"),
+    (errors.ObjectStoreUnreachable, "unreachable"),
+    (errors.ObjectStoreThrottled, "throttled"),
+    (errors.ObjectChanged, "changed"),
+    (errors.ObjectTruncated, "short_object"),
+    (errors.ObjectTooLarge, "too_large"),
+    (errors.DigestMismatchError, "digest_mismatch"),
+    (errors.ManifestError, "manifest"),
+    (errors.SignatureError, "manifest"),
+    (errors.RemoteTrustError, "untrusted"),
+    (errors.ObjectStoreError, "store_error"),
+    (errors.OutputWriteError, "cache_write"),
+    (errors.WeightdError, "other"),
+    (OSError, "io"),
+)
+
+#: Every value :func:`source_failure_reason` can return.
+SOURCE_FAILURE_REASONS: Final = frozenset({r for _, r in _SOURCE_REASONS} | {"internal"})
+
+
+def source_failure_reason(error: BaseException) -> str:
+    """A bounded label for why a download failed (pure)."""
+    for cls, reason in _SOURCE_REASONS:
+        if isinstance(error, cls):
+            return reason
+    return "internal"
+
+
+@dataclass
+class SourceMetrics:
+    """Downloads from object storage. Labelled by ``kind`` (model, adapter) only: adapter
+    sources come from an RPC, so a per-source label would be unbounded."""
+
+    bytes: Counter
+    seconds: Histogram
+    downloads: Counter
+    retries: Counter
+    failures: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> SourceMetrics:
+        m = cls(
+            bytes=Counter(
+                "weightd_source_downloaded_bytes",
+                "Bytes received from object storage, by kind (model, adapter).",
+                ["kind"],
+                registry=registry,
+            ),
+            seconds=Histogram(
+                "weightd_source_download_duration_seconds",
+                "Time to bring a remote source into the local cache (downloads that finished, "
+                "warm checks included), by kind.",
+                ["kind"],
+                buckets=DOWNLOAD_BUCKETS,
+                registry=registry,
+            ),
+            downloads=Counter(
+                "weightd_source_downloads",
+                "Remote sources brought into the cache, by kind and outcome (downloaded, "
+                "resumed, warm: nothing fetched).",
+                ["kind", "outcome"],
+                registry=registry,
+            ),
+            retries=Counter(
+                "weightd_source_retries",
+                "Requests to object storage the SDK retried (throttling, dropped connections).",
+                registry=registry,
+            ),
+            failures=Counter(
+                "weightd_source_failures",
+                "Downloads from object storage that failed, by reason.",
+                ["reason"],
+                registry=registry,
+            ),
+        )
+        for kind in ("model", "adapter"):
+            m.bytes.labels(kind)
+        return m

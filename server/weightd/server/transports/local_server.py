@@ -4,8 +4,21 @@ Why a second socket: gRPC cannot pass file descriptors, and a lease must end whe
 its holder dies, which a connection does by itself (the kernel closes it). So each
 connection carries one exchange (hello, request, answer with the memfd as
 ``SCM_RIGHTS``) and at most one lease, held until the client closes the connection
-or its process exits. A thread per connection blocks in ``recv`` for that moment;
-connections beyond ``max_connections`` are refused with RESOURCE_EXHAUSTED.
+or its process exits. A thread per connection blocks in ``recv`` for that moment.
+
+Bounds, so no client behaviour holds the daemon's memory or slots for long:
+
+* a client has :data:`REQUEST_TIMEOUT_SECONDS` from connecting to deliver its whole
+  request (a deadline for the exchange, not a timeout per read: one byte every few
+  seconds does not keep a slot);
+* a request frame is at most :data:`~weightd.common.frames.MAX_REQUEST_FRAME_BYTES`
+  (1 MiB, gRPC's own request limit), and at most :data:`MAX_PENDING` connections
+  may be waiting for theirs at once, so requests in flight hold at most
+  ``MAX_PENDING`` MiB whatever clients send; names inside are bounded by
+  :func:`~weightd.server.base.bounds.check_fields`;
+* connections beyond ``max_connections`` (or beyond ``MAX_PENDING`` still waiting)
+  get a hello whose ``refused`` carries RESOURCE_EXHAUSTED and its reason, where
+  the client reads the hello, so it reports the daemon's reason and not a broken pipe.
 
 The socket is created beside the gRPC socket, in its 0700 directory, while the
 daemon holds the gRPC socket's ``flock``, so a stale side socket from a dead daemon
@@ -21,12 +34,13 @@ import socket
 import stat
 import struct
 import threading
+import time
 from typing import Final
 
 from google.protobuf.message import DecodeError
 
 from weightd.common.cuda_driver import CudaDriver
-from weightd.common.frames import FrameError, recv_frame, send_frame
+from weightd.common.frames import MAX_REQUEST_FRAME_BYTES, FrameError, recv_frame, send_frame
 from weightd.v1 import local_pb2 as lpb
 
 from ..adapters.service import AdapterService
@@ -37,8 +51,10 @@ from .options import LOCAL_SOCKET_SUFFIX, LocalConfig
 
 log = logging.getLogger("weightd.local")
 
-#: A client has this long after connecting to send its request.
+#: A client has this long after connecting to send its whole request.
 REQUEST_TIMEOUT_SECONDS: Final = 30.0
+#: Connections that may be waiting for their request at once.
+MAX_PENDING: Final = 64
 _REAP_INTERVAL_MAX: Final = 5.0
 
 
@@ -49,12 +65,25 @@ def _peer_pid(conn: socket.socket) -> int:
 
 
 class LocalServer:
-    def __init__(self, path: str, service: PackService, max_connections: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        service: PackService,
+        max_connections: int,
+        *,
+        request_timeout: float = REQUEST_TIMEOUT_SECONDS,
+        max_pending: int = MAX_PENDING,
+        socket_mode: int = 0o600,
+    ) -> None:
         self.path = path
         self.service = service
         self.max_connections = max_connections
+        self.request_timeout = request_timeout
+        self.max_pending = max_pending
+        self.socket_mode = socket_mode
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._pending = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
@@ -77,7 +106,7 @@ class LocalServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             listener.bind(self.path)
-            os.chmod(self.path, 0o600)
+            os.chmod(self.path, self.socket_mode)  # not the umask's
             listener.listen(128)
         except OSError as exc:
             listener.close()
@@ -99,45 +128,61 @@ class LocalServer:
                 conn, _ = listener.accept()
             except OSError:
                 return  # closed by close()
+            deadline = time.monotonic() + self.request_timeout
             with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
+                full = self._full()
+                if full is None:
                     self._conns.add(conn)
-            if full:
-                self._refuse(conn)
+                    self._pending += 1
+            if full is not None:
+                self._refuse(conn, full)
                 continue
             threading.Thread(
-                target=self._serve, args=(conn,), name="weightd-local-conn", daemon=True
+                target=self._serve, args=(conn, deadline), name="weightd-local-conn", daemon=True
             ).start()
 
-    def _refuse(self, conn: socket.socket) -> None:
-        error = local_error(
-            SideChannelFull(
-                f"the daemon holds {self.max_connections} side-channel connections already"
-            ),
-            "connect",
-        )
-        with contextlib.suppress(OSError):
+    def _full(self) -> str | None:
+        """Why a new connection cannot be taken now, or None (called under the lock)."""
+        if len(self._conns) >= self.max_connections:
+            return f"the daemon holds {self.max_connections} side-channel connections already"
+        if self._pending >= self.max_pending:
+            return (
+                f"{self.max_pending} side-channel connections are still sending their "
+                "request; try again shortly"
+            )
+        return None
+
+    def _refuse(self, conn: socket.socket, reason: str) -> None:
+        """Answer in the hello's place, so the client reads the reason where it looks."""
+        hello = lpb.LocalHello(refused=local_error(SideChannelFull(reason), "connect"))
+        with contextlib.suppress(OSError, FrameError):
             conn.settimeout(1.0)
-            send_frame(conn, lpb.LocalResponse(error=error).SerializeToString())
+            send_frame(conn, hello.SerializeToString())
+            conn.shutdown(socket.SHUT_WR)
         conn.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, deadline: float) -> None:
         lease = None
         pid = 0
+        pending = True
         try:
             pid = _peer_pid(conn)
-            conn.settimeout(REQUEST_TIMEOUT_SECONDS)
+            conn.settimeout(max(0.0, deadline - time.monotonic()))
             send_frame(conn, self.service.hello().SerializeToString())
-            got = recv_frame(conn)
+            got = recv_frame(conn, max_bytes=MAX_REQUEST_FRAME_BYTES, deadline=deadline)
+            with self._lock:
+                self._pending -= 1
+                pending = False
             if got is None:
                 return
             try:
                 request = lpb.LocalRequest.FromString(got[0])
             except DecodeError as exc:
                 raise FrameError(f"undecodable request: {exc}") from None
+            del got
             outcome = self.service.handle(request)
             lease = outcome.lease
+            conn.settimeout(self.request_timeout)  # the whole answer (sendall), however big
             send_frame(conn, outcome.response.SerializeToString(), outcome.fds)
             if lease is None:
                 return
@@ -153,6 +198,8 @@ class LocalServer:
                 log.debug("pid %d released pack %d", pid, lease.pack_id)
             with self._lock:
                 self._conns.discard(conn)
+                if pending:
+                    self._pending -= 1
             conn.close()
 
     def _reap_loop(self, interval: float) -> None:
@@ -187,9 +234,18 @@ def start_local_server(
     config: LocalConfig,
     driver: CudaDriver | None,
     adapters: AdapterService | None = None,
+    *,
+    group: bool = False,
 ) -> LocalServer:
-    """The side socket for a daemon listening on ``grpc_socket_path``, started."""
+    """The side socket for a daemon listening on ``grpc_socket_path``, started
+    (0600, or 0660 with ``group``: the gRPC socket's mode)."""
     service = PackService(registry, config, driver, adapters)
-    server = LocalServer(grpc_socket_path + LOCAL_SOCKET_SUFFIX, service, config.max_connections)
+    server = LocalServer(
+        grpc_socket_path + LOCAL_SOCKET_SUFFIX,
+        service,
+        config.max_connections,
+        request_timeout=config.request_seconds,
+        socket_mode=0o660 if group else 0o600,
+    )
     server.start()
     return server

@@ -18,13 +18,15 @@ from weightd.common.cuda_driver import (
     CudaDriverError,
 )
 
-from ..base.errors import CudaUnavailable
+from ..base.errors import CudaUnavailable, UsageError
 
 #: The side socket lives next to the gRPC socket, in the same 0700 directory.
 LOCAL_SOCKET_SUFFIX: Final = ".local"
 DEFAULT_TTL_SECONDS: Final = 300.0
 DEFAULT_CUDA_BUDGET_BYTES: Final = 16 << 30
 DEFAULT_MAX_CONNECTIONS: Final = 1024
+#: A client has this long from connecting to deliver its whole request.
+DEFAULT_REQUEST_SECONDS: Final = 30.0
 
 
 @dataclass
@@ -47,6 +49,8 @@ class LocalConfig:
     cuda_budget_bytes: int = DEFAULT_CUDA_BUDGET_BYTES
     #: Open side-channel connections (one per lease) beyond which new ones are refused.
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    #: Seconds a connection has, from connecting, to deliver its whole request.
+    request_seconds: float = DEFAULT_REQUEST_SECONDS
 
     def resolved_host_budget(self) -> int:
         if self.host_budget_bytes > 0:
@@ -93,6 +97,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_CUDA_BUDGET_BYTES,
         help="bytes of packs per GPU",
     )
+    g.add_argument(
+        "--side-max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="side-socket connections (one per lease) beyond which new ones are refused "
+        "with RESOURCE_EXHAUSTED",
+    )
+    g.add_argument(
+        "--side-request-seconds",
+        type=float,
+        default=DEFAULT_REQUEST_SECONDS,
+        help="seconds a side-socket client has, from connecting, to send its whole request",
+    )
 
 
 def from_arguments(args: argparse.Namespace) -> LocalConfig:
@@ -104,11 +121,15 @@ def from_arguments(args: argparse.Namespace) -> LocalConfig:
         pin_budget_bytes=args.pin_budget_bytes,
         cuda_ipc=args.cuda_ipc,
         cuda_budget_bytes=args.cuda_budget_bytes,
+        max_connections=args.side_max_connections,
+        request_seconds=args.side_request_seconds,
     )
 
 
 def check_config(config: LocalConfig, unix_socket: bool) -> CudaDriver | None:
     """Refuse contradictory or unsatisfiable options; load the CUDA driver when one needs it."""
+    if config.max_connections < 1 or config.request_seconds <= 0:
+        raise UsageError("--side-max-connections and --side-request-seconds must be positive")
     wants = [flag for flag, on in (("--pin", config.pin), ("--cuda-ipc", config.cuda_ipc)) if on]
     if not wants:
         return None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ..base.errors import BlobLinkError, CheckpointError, DigestMismatchError, NotASnapshotError
+from ..base.paths import ConfinedDir
 
 _SHA256: Final = re.compile(r"^[0-9a-f]{64}$")
 _SHA1: Final = re.compile(r"^[0-9a-f]{40}$")
@@ -53,6 +54,19 @@ def snapshot_of(model_dir: str) -> Snapshot:
     return Snapshot(repo, blobs, os.path.basename(real))
 
 
+def open_snapshot(snapshot: Snapshot) -> ConfinedDir:
+    """The snapshot directory, opened under its repository by descriptor.
+
+    The repository is the root every name is resolved in, so the snapshot's links into
+    ``../../blobs`` are followed by descriptor; a file may resolve only into the
+    snapshot itself or ``blobs/``, nowhere else in (or out of) the cache.
+    """
+    with ConfinedDir.open(snapshot.repo, label="the cache repository") as repo:
+        return repo.subdir(
+            f"snapshots/{snapshot.revision}", label="the model directory", also=("blobs",)
+        )
+
+
 def blob_kind(real_path: str) -> str:
     """``"sha256"`` or ``"git_sha1"``: what a blob's file name is the digest of."""
     name = os.path.basename(real_path)
@@ -63,10 +77,16 @@ def blob_kind(real_path: str) -> str:
     return ""
 
 
-def check_link(snapshot: Snapshot, root: str, name: str, real_path: str) -> CheckpointError | None:
-    """A problem when ``root/name`` is not a link to a content-named blob of ``snapshot``."""
+def check_link(
+    snapshot: Snapshot, root: str, name: str, real_path: str, linked: bool
+) -> CheckpointError | None:
+    """A problem when ``root/name`` is not a link to a content-named blob of ``snapshot``.
+
+    ``real_path`` and ``linked`` are what opening the file by descriptor found (see
+    :mod:`weightd.server.base.paths`), never a second look at the path.
+    """
     path = os.path.join(root, name)
-    if not os.path.islink(path):
+    if not linked:
         return BlobLinkError(
             path, "is a regular file, not a link into the cache's blobs/ (cannot check its name)"
         )

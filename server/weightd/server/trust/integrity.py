@@ -8,6 +8,9 @@ read once, its BLAKE3 compared with the verified digest, and the SHA-256 of ever
 rank's slice computed from those same bytes. Later fetches re-hash the bytes they
 send and compare with that anchor, so a file changed after verification is caught
 on the server (DATA_LOSS) and, independently, by the client.
+
+A client may ask for BLAKE3 slice digests instead (``FetchRequest.slice_digest``):
+they are anchored the same way, per kind (``kind`` below), from the same proof.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ from typing import Final
 import blake3
 import numpy as np
 
-from weightd.common.digests import format_digest, slice_digest
+from weightd.common.digests import (
+    BLAKE3,
+    SLICE_DIGEST_ALGORITHM,
+    SLICE_DIGEST_KINDS,
+    Hasher,
+    format_digest,
+    slice_digest,
+)
 
 from ..base.cleanup import release_frames
 from ..base.errors import DataIntegrityError
@@ -73,11 +83,24 @@ def hash_checkpoint(
     return out
 
 
+def slice_hasher(kind: str) -> Hasher:
+    """A fresh hasher of slice digest ``kind`` (one of ``SLICE_DIGEST_KINDS``)."""
+    if kind == BLAKE3:
+        return blake3.blake3()
+    if kind == SLICE_DIGEST_ALGORITHM:
+        return hashlib.sha256()
+    raise ValueError(f"slice digest kind {kind!r} is not one of {SLICE_DIGEST_KINDS}")
+
+
 def anchor_slices(
-    store: ShardStore, tensor: TensorInfo, verified: str, patterns: Sequence[RunPattern]
+    store: ShardStore,
+    tensor: TensorInfo,
+    verified: str,
+    patterns: Sequence[RunPattern],
+    kind: str = SLICE_DIGEST_ALGORITHM,
 ) -> list[str]:
-    """SHA-256 of each pattern's bytes, from one read of the tensor proven to be ``verified``."""
-    hashers = [hashlib.sha256() for _ in patterns]
+    """Each pattern's ``kind`` digest, from one read of the tensor proven to be ``verified``."""
+    hashers = [slice_hasher(kind) for _ in patterns]
     whole = blake3.blake3()
     buf = bytearray(min(BLOCK_BYTES, max(tensor.nbytes, 1)))
     view = memoryview(buf)
@@ -147,11 +170,11 @@ def anchor_slices(
             f"tensor {tensor.name!r} in shard {tensor.shard}: bytes on disk hash to {actual}, "
             f"verified digest is {verified}"
         )
-    return [slice_digest(h) for h in hashers]
+    return [slice_digest(h, kind) for h in hashers]
 
 
 class SliceAnchors:
-    """Cache of anchored slice digests, keyed by (tensor, partition); concurrent asks coalesce.
+    """Cache of anchored slice digests, keyed by (tensor, partition, kind); asks coalesce.
 
     A partition (``slices.Partition.key``) identifies one cut of a tensor and all its
     peer slices, whatever pipeline stage or expert rank asks for them.
@@ -161,7 +184,7 @@ class SliceAnchors:
         self._store = store
         self._digests = tensor_digests
         self._lock = threading.Lock()
-        self._cache: dict[tuple[str, Hashable], Future[list[str]]] = {}
+        self._cache: dict[tuple[str, Hashable, str], Future[list[str]]] = {}
 
     def get(
         self,
@@ -169,9 +192,10 @@ class SliceAnchors:
         partition: Hashable,
         index: int,
         patterns_for_all_ranks: Callable[[], Sequence[RunPattern]],
+        kind: str = SLICE_DIGEST_ALGORITHM,
     ) -> str:
-        """The anchored digest of peer ``index`` of ``partition``'s cut of ``tensor``."""
-        key = (tensor.name, partition)
+        """The anchored ``kind`` digest of peer ``index`` of ``partition``'s cut of ``tensor``."""
+        key = (tensor.name, partition, kind)
         with self._lock:
             future = self._cache.get(key)
             owner = future is None
@@ -182,7 +206,11 @@ class SliceAnchors:
             try:
                 future.set_result(
                     anchor_slices(
-                        self._store, tensor, self._digests[tensor.name], patterns_for_all_ranks()
+                        self._store,
+                        tensor,
+                        self._digests[tensor.name],
+                        patterns_for_all_ranks(),
+                        kind,
                     )
                 )
             except BaseException as exc:

@@ -35,7 +35,15 @@ from ..store.shards import ShardStore
 from ..telemetry.progress import Reporter
 from .hashcache import CacheEntry, HashCache
 from .hashing import Progress, ShardDigests, ShardJob, TensorRange, hash_shards
-from .hfcache import HashedFile, Snapshot, blob_kind, check_link, compare_blobs, snapshot_of
+from .hfcache import (
+    HashedFile,
+    Snapshot,
+    blob_kind,
+    check_link,
+    compare_blobs,
+    open_snapshot,
+    snapshot_of,
+)
 from .manifest import MAX_MANIFEST_BYTES, FileDigest, Manifest, compare, parse_manifest
 from .signing import TrustedKey, check_signature, load_public_key
 
@@ -161,7 +169,18 @@ def verify_checkpoint(
     placeholder = ShardStore(root)
     v = Verification(root, model_name, placeholder, None, [])
     manifest, snapshot, trusted = _prepare_trust(v, options)
-    scan = scan_checkpoint(model_dir, model_name, link_root=snapshot.blobs if snapshot else None)
+    directory = None
+    if snapshot is not None:
+        try:
+            directory = open_snapshot(snapshot)
+        except CheckpointError as exc:
+            v.problems.append(exc)
+            v.notes.append("digests not computed: fix the problems above first")
+            return v
+    scan = scan_checkpoint(model_dir, model_name, directory=directory)
+    # Where the descriptor the files were read by points (model_dir may be a link that
+    # an operator flipped since ``root`` was resolved above).
+    root = v.root = scan.root
     v.store = scan.store
     v.problems.extend(scan.problems)
     if scan.config is not None and scan.checkpoint is not None:
@@ -213,11 +232,11 @@ def verify_checkpoint(
 def _check_links(snapshot: Snapshot, scan: Scan) -> list[WeightdError]:
     problems: list[WeightdError] = []
     for small in scan.small_files.values():
-        p = check_link(snapshot, scan.root, small.name, small.real_path)
+        p = check_link(snapshot, scan.root, small.name, small.real_path, small.linked)
         if p is not None:
             problems.append(p)
     for name, shard in scan.store.shards.items():
-        p = check_link(snapshot, scan.root, name, shard.real_path)
+        p = check_link(snapshot, scan.root, name, shard.real_path, shard.linked)
         if p is not None:
             problems.append(p)
     return problems

@@ -1,0 +1,46 @@
+"""Detecting whether packs may use shmem huge pages (``weightd.server.packs.hugepages``)."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import pytest
+
+from weightd.server.packs.hugepages import (
+    advise_and_allocate,
+    allocate_by_advice,
+    parse_mode,
+    shmem_mode,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "by_advice"),
+    [
+        ("always within_size advise [never] deny force\n", "never", False),
+        ("always within_size [advise] never deny force\n", "advise", True),
+        ("[always] within_size advise never deny force\n", "always", False),
+        ("always [within_size] advise never\n", "within_size", False),
+        ("always within_size advise never [deny] force\n", "deny", False),
+        ("", "never", False),  # nothing selected: no huge pages
+    ],
+)
+def test_mode_table(text: str, mode: str, by_advice: bool) -> None:
+    assert parse_mode(text) == mode
+    assert allocate_by_advice(mode) is by_advice
+
+
+def test_unreadable_setting_means_no_huge_pages(tmp_path: Path) -> None:
+    assert shmem_mode(str(tmp_path / "absent")) == "never"
+    path = tmp_path / "shmem_enabled"
+    path.write_text("always within_size [advise] never deny force\n")
+    assert shmem_mode(str(path)) == "advise"
+
+
+def test_allocation_by_advice_allocates_every_page() -> None:
+    size = 4 << 20
+    with mmap.mmap(-1, size) as writer:
+        advise_and_allocate(writer)  # this kernel may refuse huge pages; never the pages
+        writer[:4] = b"abcd"
+        assert writer[:4] == b"abcd"
