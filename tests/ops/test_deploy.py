@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from weightd.server.daemon.sockets import dir_problem
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -181,3 +185,36 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     # systemd-analyze exits 0 even for unknown keys; anything it says is a problem.
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
     assert "ExecStart=" in unit.read_text() and "KillSignal=SIGTERM" in unit.read_text()
+
+
+@pytest.mark.parametrize("name", ["daemonset.yaml", "daemonset-cuda-ipc.yaml", "daemonset-s3.yaml"])
+def test_the_socket_directory_is_handed_to_the_daemon_before_it_starts(
+    name: str, tmp_path: Path
+) -> None:
+    """The kubelet makes the hostPath root-owned 0755, which the daemon refuses (a socket
+    directory must be its own and closed to others): the init step's own command,
+    run here on such a directory, leaves it as the daemon requires."""
+    pod = _daemonset(name)["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (container,) = pod["containers"]
+    sockets = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["sockets"]
+    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]} == {"sockets": sockets}
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    uid, gid = pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]
+    shell, flag, script = init["command"]
+    assert (shell, flag) == ("sh", "-c") and f"chown {uid}:{gid} {sockets}" in script
+    if os.geteuid() != 0:
+        pytest.skip("running the init step's chown needs root (CI runs as root)")
+    made = tmp_path / "run-weightd"
+    made.mkdir(mode=0o755)
+    done = subprocess.run(
+        ["sh", "-c", script.replace(sockets, str(made))], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    st = made.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, 0o700)
+    # The daemon's own check, as uid 10001 runs it: refused before, accepted after.
+    assert dir_problem(st, uid, group=False) is None
+    made.chmod(0o755)
+    os.chown(made, 0, 0)
+    assert dir_problem(made.stat(), uid, group=False) is not None
