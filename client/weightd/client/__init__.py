@@ -6,7 +6,7 @@ needs none of the daemon's dependencies.
 
 from .admin import AdminClient, ReloadResult
 from .client import WeightClient
-from .descriptions import ModelDescription, ModelInfo, TensorInfo
+from .descriptions import FileDigest, ModelDescription, ModelInfo, TensorInfo
 from .errors import (
     AbortedError,
     DataLossError,
@@ -33,6 +33,7 @@ __all__ = [
     "DeadlineExceededError",
     "FailedPreconditionError",
     "FetchInfo",
+    "FileDigest",
     "InvalidArgumentError",
     "Layout",
     "ModelDescription",

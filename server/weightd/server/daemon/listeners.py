@@ -14,6 +14,8 @@ from importlib import metadata
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from weightd.common.sockets import default_socket_path
+
 from ..base.errors import ListenError, SecurityConfigError
 from ..registry.loading import Reloader
 from ..registry.models import ModelRegistry
@@ -21,7 +23,7 @@ from ..rpc.adapters import Adapters
 from ..rpc.admin import create_admin_server
 from ..rpc.interceptors import RpcObserver
 from ..rpc.requests import RequestGuard
-from .addresses import Address, default_socket_path, parse_address
+from .addresses import Address, parse_address
 from .security import TlsMaterial
 
 ADMIN_SOCKET_NAME = "admin.sock"
