@@ -4,8 +4,9 @@
 # (pass --once to stop right after the client fetch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash .ci/setup.sh
-sock=${WEIGHTD_DEMO_SOCKET:-$(.venv/bin/python -c 'from weightd.server.daemon.addresses import default_socket_path as p; print(p())')}
+# The demo needs no vLLM: skip its venv unless asked (WEIGHTD_VLLM=1).
+WEIGHTD_VLLM=${WEIGHTD_VLLM:-0} bash .ci/setup.sh
+sock=${WEIGHTD_DEMO_SOCKET:-$(.venv/bin/python -c 'from weightd.common.sockets import default_socket_path as p; print(p())')}
 target="unix://$sock"
 .venv/bin/weightd serve --listen "$target" &
 daemon=$!

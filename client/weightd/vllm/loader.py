@@ -196,11 +196,12 @@ def register_loader() -> None:
                 setattr(model, REPORT_ATTR, report)
                 return
             setattr(model, REPORT_ATTR, report)
+            # Worded as vLLM's default loader words its line, so one pattern reads both.
             log.info(
-                "weightd: loaded %d tensors (%.1f MiB) for %s over %s in %.2f s",
+                "weightd: Loading weights took %.2f seconds (%d tensors, %.1f MiB, %s, over %s)",
+                report.seconds,
                 len(report.shapes),
                 report.bytes / 2**20,
                 report.layout.describe(),
                 report.transport,
-                report.seconds,
             )
