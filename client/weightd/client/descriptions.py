@@ -35,12 +35,26 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class FileDigest:
+    """A file the daemon read from the model directory, as verified."""
+
+    name: str  # relative to the model directory
+    size: int
+    sha256: str  # lowercase hex; "" when the daemon did not hash the whole file
+
+
+@dataclass(frozen=True)
 class ModelDescription:
     name: str
     architecture: str
     config_json: str
     total_bytes: int
     tensors: tuple[TensorInfo, ...]
+    #: config.json and the index (always hashed) and every shard; empty from a daemon
+    #: that predates the field. Lets a client prove a local copy is the served one.
+    files: tuple[FileDigest, ...] = ()
+    #: Identity of the served content (config and every verified tensor digest).
+    model_fingerprint: str = ""
 
 
 def model_info_of(m: pb.ModelSummary) -> ModelInfo:
@@ -59,4 +73,6 @@ def description_of(d: pb.ModelDescription) -> ModelDescription:
             TensorInfo(t.name, t.dtype, tuple(t.shape), t.shard, t.nbytes, t.digest)
             for t in d.tensors
         ),
+        tuple(FileDigest(f.name, f.size, f.sha256) for f in d.files),
+        d.model_fingerprint,
     )

@@ -14,8 +14,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from weightd.common.sockets import default_socket_path
+
 from ..base.errors import WeightdError
-from ..daemon.addresses import default_socket_path
 from ..transports.options import add_arguments as add_local_arguments
 from .client_commands import (
     add_fetch_parser,

@@ -44,18 +44,6 @@ class Address:
             return False
 
 
-def default_socket_path() -> str:
-    """``$XDG_RUNTIME_DIR/weightd/weightd.sock``, else ``/run/weightd`` for root, else /tmp."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        base = os.path.join(runtime, "weightd")
-    elif os.geteuid() == 0:
-        base = "/run/weightd"
-    else:
-        base = f"/tmp/weightd-{os.geteuid()}"
-    return os.path.join(base, "weightd.sock")
-
-
 def parse_address(text: str) -> Address:
     if text.startswith("unix://"):
         path = text[len("unix://") :]

@@ -15,6 +15,8 @@ from typing import Final
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from weightd.common.sockets import default_socket_path
+
 from ..base.errors import ListenError, SecurityConfigError
 from ..registry.loading import Reloader
 from ..registry.models import ModelRegistry
@@ -24,7 +26,7 @@ from ..rpc.health import ListenerHealth
 from ..rpc.interceptors import RpcObserver
 from ..rpc.requests import RequestGuard
 from ..rpc.streams import StreamBounds, StreamWatchdog
-from .addresses import Address, default_socket_path, parse_address
+from .addresses import Address, parse_address
 from .security import TlsMaterial
 from .sockets import restrict_socket
 

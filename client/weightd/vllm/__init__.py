@@ -1,0 +1,17 @@
+"""vLLM integration: ``--load-format weightd`` loads a vLLM engine's weights from weightd.
+
+Installed with ``pip install "weightd[vllm]"``; vLLM finds it through the
+``vllm.general_plugins`` entry point and calls :func:`register` in every process it
+starts (the engine and each worker), so nothing has to be imported or configured by
+hand. Importing this package imports nothing of vLLM: only :func:`register` does, so
+the rest of weightd (and its tests) works without vLLM installed.
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """vLLM's plugin hook: make ``load_format="weightd"`` known. Safe to call repeatedly."""
+    from .loader import register_loader
+
+    register_loader()

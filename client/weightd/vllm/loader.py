@@ -1,0 +1,207 @@
+"""``load_format="weightd"``: a vLLM model loader that takes each worker's share from weightd.
+
+In every worker process vLLM builds the model from ``DIR/config.json`` and then calls
+:meth:`WeightdModelLoader.load_weights`, which
+
+1. reads the worker's place from vLLM's parallel state (``placement``);
+2. asks the daemon to describe its model and refuses to go on unless it is the
+   checkpoint in ``DIR`` (``identity``), naming both sides;
+3. fetches exactly that layout (``WeightClient.fetch_layout``: shared memory on the
+   daemon's host, gRPC otherwise, every slice checked against the daemon's digest);
+4. feeds the shares through vLLM's own ``model.load_weights`` (``presharded``), so
+   vLLM's fused parameters, tied embeddings, GQA replication and vocabulary padding
+   are vLLM's code, and then runs vLLM's own check that every parameter was loaded.
+
+Failures raise :class:`~weightd.vllm.errors.WeightdLoadError` naming the target,
+model and layout. With ``"fallback": "disk"`` such a failure is logged at ERROR and
+vLLM's default loader reads ``DIR`` instead; there is no fallback without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weightd.client import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    Layout,
+    NotFoundError,
+    UnavailableError,
+    WeightClient,
+    WeightdError,
+)
+
+from .errors import WeightdLoadError
+from .identity import compare
+from .options import LoaderOptions, parse_options
+from .placement import worker_layout
+from .presharded import mark, presharded_loading
+from .vocab import reconcile, vllm_vocab_rows
+
+# Under vLLM's logger namespace so its handler and format print these lines with its own.
+log = logging.getLogger("vllm.weightd")
+
+#: Attribute the loader sets on the model it loaded: what it received (a LoadReport).
+REPORT_ATTR = "weightd_load_report"
+
+
+@dataclass
+class LoadReport:
+    """What one worker received: for tests, benchmarks and the log."""
+
+    target: str
+    model: str
+    layout: Layout
+    transport: str = ""
+    seconds: float = 0.0
+    bytes: int = 0
+    #: name -> (shape received, shape in the checkpoint)
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    #: extra (tensor, weightd block) fetched to reconcile vLLM's vocabulary cut
+    vocab_blocks: list[tuple[str, int]] = field(default_factory=list)
+    fallback: str = ""  # the error a fallback load replaced, if any
+
+
+def _why(exc: WeightdError) -> str:
+    if isinstance(exc, UnavailableError):
+        return "daemon unreachable or not serving yet"
+    if isinstance(exc, NotFoundError):
+        return "model not served"
+    if isinstance(exc, (InvalidArgumentError, FailedPreconditionError)):
+        return "layout refused"
+    return type(exc).__name__
+
+
+def _where(options: LoaderOptions, layout: Layout) -> str:
+    return f"weightd at {options.target}, model {options.model_label}, layout {layout.describe()}"
+
+
+def load_from_weightd(
+    model: torch.nn.Module, model_config: Any, options: LoaderOptions
+) -> LoadReport:
+    """Steps 1-4 above; returns what was received. Raises WeightdLoadError."""
+    layout = worker_layout(model_config)
+    where = _where(options, layout)
+    started = time.perf_counter()
+    try:
+        with WeightClient(options.target, timeout=options.timeout) as client:
+            desc = client.describe(options.model)
+            differences = compare(Path(model_config.model), desc)
+            if differences:
+                raise WeightdLoadError(
+                    f"{where}: the daemon's model {desc.name!r} is not the checkpoint in "
+                    f"{model_config.model}: " + "; ".join(str(d) for d in differences)
+                )
+            state = client.fetch_layout(layout, model=desc.name, transport=options.transport)
+            info = client.last_fetch
+            report = LoadReport(options.target, desc.name, layout)
+            report.transport = info.transport if info is not None else ""
+            full = {t.name: t.shape for t in desc.tensors}
+            vocab_rows = vllm_vocab_rows(model) if layout.tp_size > 1 else {}
+
+            def block(name: str, j: int) -> torch.Tensor:
+                report.vocab_blocks.append((name, j))
+                other = dataclasses.replace(layout, tp_rank=j)
+                got = client.fetch_layout(other, model=desc.name, names=[name], transport="grpc")
+                return got[name]
+
+            weights: list[tuple[str, torch.Tensor]] = []
+            for name, tensor in state.items():
+                shape = full[name]
+                t = tensor
+                if tuple(t.shape) != shape:
+                    if shape[0] in vocab_rows and t.shape[0] * layout.tp_size == shape[0]:
+                        t = reconcile(
+                            name,
+                            t,
+                            shape[0],
+                            layout.tp_size,
+                            layout.tp_rank,
+                            vocab_rows[shape[0]],
+                            block,
+                        )
+                    t = mark(t)
+                report.shapes[name] = (tuple(t.shape), shape)
+                report.bytes += t.numel() * t.element_size()
+                weights.append((name, t))
+    except WeightdError as exc:
+        raise WeightdLoadError(f"{where}: {_why(exc)}: {exc}") from exc
+    with presharded_loading(model):
+        loaded = model.load_weights(iter(weights))  # type: ignore[operator]
+    del weights, state
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    if model_config.quantization is None and loaded is not None:
+        DefaultModelLoader(_disk_config(None)).track_weights_loading(model, loaded)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _disk_config(load_config: Any) -> Any:
+    """vLLM's default loader's config: this one with the default format, no extra config."""
+    from vllm.config.load import LoadConfig
+
+    base = load_config if load_config is not None else LoadConfig()
+    return dataclasses.replace(base, load_format="auto", model_loader_extra_config={})
+
+
+_registered = False
+
+
+def register_loader() -> None:
+    """Register the loader once per process (vLLM may call its plugins more than once)."""
+    global _registered  # noqa: PLW0603 -- registration is per process by vLLM's design
+    if _registered:
+        return
+    _registered = True
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    @register_model_loader("weightd")
+    class WeightdModelLoader(BaseModelLoader):  # type: ignore[misc]
+        """vLLM's weights from a weightd daemon; see the module's docstring."""
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            self.options = parse_options(load_config.model_loader_extra_config)
+
+        def download_model(self, model_config: Any) -> None:
+            """Nothing to download: the weights come from the daemon, the config from DIR."""
+
+        def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+            try:
+                report = load_from_weightd(model, model_config, self.options)
+            except WeightdLoadError as exc:
+                if self.options.fallback != "disk":
+                    raise
+                log.error(
+                    "weightd FALLBACK: %s -- loading %s from disk with vLLM's default "
+                    "loader instead (model_loader_extra_config fallback='disk')",
+                    exc,
+                    model_config.model,
+                )
+                DefaultModelLoader(_disk_config(self.load_config)).load_weights(model, model_config)
+                report = LoadReport(
+                    self.options.target, self.options.model or "", worker_layout(model_config)
+                )
+                report.fallback = str(exc)
+                setattr(model, REPORT_ATTR, report)
+                return
+            setattr(model, REPORT_ATTR, report)
+            # Worded as vLLM's default loader words its line, so one pattern reads both.
+            log.info(
+                "weightd: Loading weights took %.2f seconds (%d tensors, %.1f MiB, %s, over %s)",
+                report.seconds,
+                len(report.shapes),
+                report.bytes / 2**20,
+                report.layout.describe(),
+                report.transport,
+            )

@@ -1,0 +1,115 @@
+"""``load_format="weightd"`` in the real vLLM engine against vLLM's default loader.
+
+For a Llama (GQA, vocabulary not a multiple of vLLM's padding) and a Qwen2 (q/k/v
+biases, tied embeddings, one kv head: replicated at TP=2) checkpoint, at TP=1 and
+TP=2: the same greedy tokens and logprobs, every worker's parameters bit-identical,
+each worker received only its share; a wrong checkpoint, a daemon that is down and an
+unknown model are refused naming target, model and layout; ``fallback: disk`` loads
+from disk and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.conftest import RunningDaemon
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+
+CASES = [("llama", 1), ("llama", 2), ("qwen2", 1), ("qwen2", 2)]
+Engine = Callable[[str, int], dict[str, Any]]
+DOWN = "unix:///nonexistent-weightd/weightd.sock"
+
+
+@pytest.mark.parametrize(("model", "tp"), CASES)
+def test_tokens_logprobs_and_parameters_equal_the_default_loaders(
+    engine: Engine, model: str, tp: int
+) -> None:
+    result = engine(model, tp)
+    ours, theirs = result["weightd"], result["auto"]
+    assert ours["tokens"] == theirs["tokens"]
+    assert ours["logprobs"] == theirs["logprobs"]
+    assert len(ours["digests"]) == tp
+    for rank, (a, b) in enumerate(zip(ours["digests"], theirs["digests"], strict=True)):
+        assert a == b, f"rank {rank}: {sorted(k for k in a if a[k] != b.get(k))}"
+    assert theirs["reports"] == [None] * tp  # the default engine never used weightd
+
+
+def _share(name: str, full: list[int], model: str, tp: int, rank: int) -> list[int]:
+    """The shape a worker must receive, from the table in the README."""
+    if tp == 1 or (len(full) == 1 and not name.endswith("_proj.bias")):
+        return full  # norms; q/k/v biases are cut like their weights' rows
+    if "o_proj" in name or "down_proj" in name:
+        return [full[0], full[1] // tp]
+    if model == "qwen2" and ("k_proj" in name or "v_proj" in name):
+        return full  # one kv head: each rank gets that head (replication)
+    if full[0] == 1000:  # llama's vocabulary tensors
+        # vLLM pads 1000 rows to 1024: rank 0 holds rows [0, 512), rank 1 [512, 1000)
+        return [512 if rank == 0 else 488, full[1]]
+    return [full[0] // tp, *full[1:]]
+
+
+@pytest.mark.parametrize(("model", "tp"), CASES)
+def test_each_worker_received_only_its_share(engine: Engine, model: str, tp: int) -> None:
+    reports = engine(model, tp)["weightd"]["reports"]
+    for rank, report in enumerate(reports):
+        assert report["layout"] == [tp, rank]
+        assert report["transport"] == "shm"  # the daemon's host: its shared packs
+        for name, (got, full) in report["shapes"].items():
+            assert got == _share(name, full, model, tp, rank), name
+    if model == "qwen2":
+        assert "lm_head.weight" not in reports[0]["shapes"]  # tied: never invented
+    if tp == 2 and model == "llama":
+        # rank 0's rows straddle weightd's blocks [0, 500) | [500, 1000): it fetched
+        # block 1 of both vocabulary tensors; rank 1's rows lie inside its own block.
+        assert sorted(map(tuple, reports[0]["vocab_blocks"])) == [
+            ("lm_head.weight", 1),
+            ("model.embed_tokens.weight", 1),
+        ]
+        assert reports[1]["vocab_blocks"] == []
+    if tp == 2 and model == "qwen2":
+        assert reports[0]["vocab_blocks"] == reports[1]["vocab_blocks"] == []
+
+
+def test_a_wrong_checkpoint_a_daemon_down_and_an_unknown_model_are_refused(
+    engine: Engine, daemon: RunningDaemon
+) -> None:
+    checks = engine("llama", 1)["weightd"]["checks"]
+    [other] = checks["other_checkpoint"]
+    assert other["error"].startswith(
+        f"WeightdLoadError: weightd at {daemon.target}, model 'qwen2', layout tp 0/1: the "
+        "daemon's model 'qwen2' is not the checkpoint in "
+    )
+    assert "config.json: sha256 " in other["error"]
+    assert " in the model directory, sha256 " in other["error"]
+    [down] = checks["daemon_down"]
+    assert down["error"].startswith(
+        f"WeightdLoadError: weightd at {DOWN}, model (the "
+        "daemon's only model), layout tp 0/1: daemon unreachable or not serving yet: "
+    )
+    [missing] = checks["not_served"]
+    assert missing["error"].startswith(
+        f"WeightdLoadError: weightd at {daemon.target}, model 'no-such-model', layout tp 0/1: "
+        "model not served: "
+    )
+
+
+def test_fallback_disk_loads_with_vllms_loader_and_says_so(engine: Engine) -> None:
+    result = engine("llama", 1)
+    fallback = result["fallback"]
+    [report] = fallback["reports"]
+    assert report["fallback"].startswith(
+        f"weightd at {DOWN}, model (the daemon's only model), layout tp 0/1: daemon unreachable"
+    )
+    assert f"weightd FALLBACK: weightd at {DOWN}" in result["log"]
+    assert "loading " in result["log"] and "from disk with vLLM's default loader" in result["log"]
+    assert fallback["digests"] == result["auto"]["digests"]
+    assert fallback["tokens"] == result["auto"]["tokens"]
+
+
+def test_refused_checks_left_the_running_model_untouched(engine: Engine) -> None:
+    ours = engine("llama", 1)["weightd"]
+    assert ours["digests_after_checks"] == ours["digests"]
