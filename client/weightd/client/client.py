@@ -433,6 +433,8 @@ class WeightClient:
             raise InvalidArgumentError(
                 f"streams {streams} needs a tensor-parallel layout; got {layout.describe()}"
             )
+        from .resumable import ResumeReport  # lazily, as everything that makes tensors
+
         described = {t.name: t.nbytes for t in self.describe(model).tensors}
         wanted = names or list(described)
         groups = split_by_bytes([(n, described.get(n, 0)) for n in wanted], streams)

@@ -22,13 +22,17 @@ import heapq
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
 from .errors import WeightdError
-from .receive import ProgressFn
-from .resumable import ResumeReport
+
+if TYPE_CHECKING:  # torch loads only where tensors are made (`weightd list` needs none)
+    import torch
+
+    from .receive import ProgressFn
+    from .resumable import ResumeReport
 
 #: Most streams one fetch may open: each holds a daemon RPC slot and a thread.
 MAX_STREAMS = 16
@@ -98,6 +102,8 @@ def fetch_in_streams(
 
 def merge_reports(reports: Sequence[ResumeReport]) -> ResumeReport:
     """One report for a fetch made of several streams (kinds: the first stream's)."""
+    from .resumable import ResumeReport
+
     merged = ResumeReport()
     for r in reports:
         merged.streams += r.streams
