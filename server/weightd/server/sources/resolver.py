@@ -131,19 +131,9 @@ class _Progress:
         )
 
 
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        while chunk := os.read(fd, 8 << 20):
-            h.update(chunk)
-    finally:
-        os.close(fd)
-    return h.hexdigest()
-
-
-def _md5_file(path: str) -> str:
-    h = hashlib.md5(usedforsecurity=False)
+def _file_digest(path: str, algorithm: str) -> str:
+    """Hex digest of the file at ``path`` (not followed if a link), read by descriptor."""
+    h = hashlib.new(algorithm, usedforsecurity=algorithm != "md5")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         while chunk := os.read(fd, 8 << 20):
@@ -436,7 +426,7 @@ class SourceResolver:
             raise ObjectTruncated(uri, f"{size} bytes on disk, the object is {obj.size}")
         if manifest is not None:
             want = manifest.files[obj.name].sha256
-            got = _sha256_file(path)
+            got = _file_digest(path, "sha256")
             if got != want:
                 raise DigestMismatchError(
                     uri,
@@ -446,7 +436,7 @@ class SourceResolver:
             return
         plain = _PLAIN_MD5.match(obj.etag)
         if plain is not None:
-            got = _md5_file(path)
+            got = _file_digest(path, "md5")
             if got != plain.group(1):
                 raise DigestMismatchError(
                     uri, f"MD5 is {got}, the object's ETag says {plain.group(1)}"
