@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import threading
@@ -183,9 +184,21 @@ class ModelRegistry:
             self._models[model.name] = model
             self._loading.discard(model.name)
         if old is not None and old is not model:
-            # Fetches still streaming from the old version hold a reference to it:
-            # close its files when the last one lets go, not under their feet.
+            # Fetches still streaming from the old version hold references: its files
+            # close when the last one lets go, not under their feet.
             weakref.finalize(old, old.store.close)
+            alive = weakref.ref(old)
+            del old
+            if alive() is not None:
+                # What must not hold it is garbage: a failed call's exception keeps its
+                # traceback's frames (and the model they named) alive in a reference
+                # cycle, and CPython runs a full cyclic pass only once the long-lived
+                # objects have grown by a quarter, which a daemon's steady heap may
+                # never do (racing reloads left 5-8 old versions' descriptors open, and
+                # 30 clean reloads later still). One collection here frees just that
+                # garbage and leaves what is really in use alone (then its last user
+                # closes it); reloads are rare admin calls, the pass takes milliseconds.
+                gc.collect()
         self._notify(model.name, True)
 
     def mark_broken(self, model: LoadedModel, reason: str) -> None:
