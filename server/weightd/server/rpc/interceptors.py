@@ -61,18 +61,31 @@ def rewrap(
     handler: Handler,
     unary: Callable[[Behavior], Behavior],
     stream: Callable[[Behavior], Behavior],
+    *,
+    requests_unary: Callable[[Behavior], Behavior] | None = None,
+    requests_stream: Callable[[Behavior], Behavior] | None = None,
+    deserializer: Callable[[bytes], Any] | None = None,
 ) -> Handler:
     """The same handler with its behavior wrapped: ``unary`` for single responses,
-    ``stream`` for streamed ones. Serializers are kept as they were."""
-    des, ser = handler.request_deserializer, handler.response_serializer
+    ``stream`` for streamed ones, whatever the requests; an interceptor that treats
+    request streams apart gives ``requests_unary`` / ``requests_stream`` too. The
+    response serializer is kept; ``deserializer`` replaces the request's when given.
+
+    One place builds the four handler kinds, so every interceptor (requests, guards,
+    stream bounds, metrics) wraps each kind and none forgets one.
+    """
+    des = deserializer or handler.request_deserializer
+    ser = handler.response_serializer
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), des, ser)
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), des, ser)
     if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), des, ser)
+        wrap = requests_unary or unary
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), des, ser)
     assert handler.stream_stream is not None
-    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), des, ser)
+    wrap = requests_stream or stream
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), des, ser)
 
 
 class InflightTracker:

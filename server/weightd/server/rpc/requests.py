@@ -27,7 +27,7 @@ from google.protobuf.message import Message
 
 from ..base.bounds import check_fields
 from ..base.errors import InvalidRequest
-from .interceptors import Behavior, Handler
+from .interceptors import Behavior, Handler, rewrap
 from .status import abort
 
 
@@ -73,22 +73,13 @@ class RequestGuard(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        des, ser = _safe(handler.request_deserializer), handler.response_serializer
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary, method), des, ser
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream, method), des, ser
-            )
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._requests_unary(handler.stream_unary, method), des, ser
-            )
-        assert handler.stream_stream is not None
-        return grpc.stream_stream_rpc_method_handler(
-            self._requests_stream(handler.stream_stream, method), des, ser
+        return rewrap(
+            handler,
+            lambda b: self._unary(b, method),
+            lambda b: self._stream(b, method),
+            requests_unary=lambda b: self._requests_unary(b, method),
+            requests_stream=lambda b: self._requests_stream(b, method),
+            deserializer=_safe(handler.request_deserializer),
         )
 
     @staticmethod

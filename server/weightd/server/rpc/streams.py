@@ -33,7 +33,7 @@ from typing import Any, Final
 import grpc
 
 from ..base.errors import ResourceLimitError, StreamTimeLimit
-from .interceptors import Behavior, Handler, split_method
+from .interceptors import Behavior, Handler, rewrap, split_method
 from .status import abort
 
 log = logging.getLogger("weightd.streams")
@@ -178,17 +178,10 @@ class StreamBounds(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        if handler.unary_stream is None and handler.stream_stream is None:
+            return handler  # single responses: not a stream to bound
         method = handler_call_details.method
-        des, ser = handler.request_deserializer, handler.response_serializer
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._bound(handler.unary_stream, method), des, ser
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._bound(handler.stream_stream, method), des, ser
-            )
-        return handler
+        return rewrap(handler, lambda b: b, lambda b: self._bound(b, method))
 
     def _take(self, method: str) -> None:
         with self._lock:
