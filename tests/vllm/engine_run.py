@@ -49,6 +49,7 @@ def load_report(worker: Any) -> dict[str, Any] | None:
         "transport": report.transport,
         "bytes": report.bytes,
         "layout": [report.layout.tp_size, report.layout.tp_rank],
+        "pp": [report.layout.pp_size, report.layout.pp_rank, list(report.layout.pp_layers)],
         "shapes": {k: [list(a), list(b)] for k, (a, b) in report.shapes.items()},
         "vocab_blocks": [list(x) for x in report.vocab_blocks],
         "fallback": report.fallback,
@@ -88,6 +89,7 @@ def run_engine(args: argparse.Namespace, load_format: str) -> dict[str, Any]:
         load_format="auto" if load_format == "auto" else "weightd",
         model_loader_extra_config=extra,
         tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
         gpu_memory_utilization=0.3,
         enforce_eager=True,
         skip_tokenizer_init=True,
@@ -95,20 +97,21 @@ def run_engine(args: argparse.Namespace, load_format: str) -> dict[str, Any]:
         dtype="bfloat16",
         seed=0,
     )
-    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     result: dict[str, Any] = {
-        "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "logprobs": [
+        "digests": llm.collective_rpc(param_digests),
+        "reports": llm.collective_rpc(load_report),
+    }
+    if args.generate:
+        params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        result["logprobs"] = [
             [
                 step[tok].logprob
                 for tok, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)
             ]
             for o in outs
-        ],
-        "digests": llm.collective_rpc(param_digests),
-        "reports": llm.collective_rpc(load_report),
-    }
+        ]
     if args.checks and load_format == "weightd":
         # Refusals happen before a byte of the model is touched, so a running worker's
         # model can be asked again (a disk fallback cannot: vLLM's CPU post-processing
@@ -132,6 +135,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
+    # vLLM's CPU build loads a pipeline-parallel model but its PP workers fail the first
+    # forward pass whatever the loader (AssertionError in gpu_model_runner.py's
+    # sync_and_gather_intermediate_tensors): with --pp, pass --no-generate.
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--no-generate", dest="generate", action="store_false")
     ap.add_argument("--target", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--other-model", default="")
