@@ -22,6 +22,7 @@ from .errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    VocabPadUnsupportedError,
     WeightdError,
 )
 from .layout import Layout
@@ -70,6 +71,7 @@ __all__ = [
     "TransportFailure",
     "UnauthenticatedError",
     "UnavailableError",
+    "VocabPadUnsupportedError",
     "WeightClient",
     "WeightdError",
     "tls_credentials",

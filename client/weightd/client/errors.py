@@ -42,6 +42,15 @@ class FailedPreconditionError(WeightdError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class VocabPadUnsupportedError(FailedPreconditionError):
+    """A fetch asked for ``Layout.vocab_pad`` and the daemon predates it.
+
+    Such a daemon ignores the field and cuts vocabulary-parallel tensors in equal
+    blocks; the client refuses the stream rather than hand out other rows than asked
+    for. Fetch with ``vocab_pad=0`` and re-cut, or upgrade the daemon.
+    """
+
+
 class DataLossError(WeightdError):
     code = grpc.StatusCode.DATA_LOSS
 

@@ -71,7 +71,7 @@ class WireChunk:
 class WireResponse:
     """One ``FetchResponse``: its chunks, and the fields set only on some messages."""
 
-    __slots__ = ("adapter", "chunks", "done", "model_fingerprint", "slice_digest")
+    __slots__ = ("adapter", "chunks", "done", "model_fingerprint", "slice_digest", "vocab_pad")
 
     def __init__(
         self,
@@ -80,12 +80,14 @@ class WireResponse:
         adapter: pb.AdapterInfo | None = None,
         model_fingerprint: str = "",
         slice_digest: str = "",
+        vocab_pad: int = 0,
     ) -> None:
         self.chunks = chunks
         self.done = done  # None: not set
         self.adapter = adapter  # None: not set
         self.model_fingerprint = model_fingerprint
         self.slice_digest = slice_digest  # "": not set (SHA-256)
+        self.vocab_pad = vocab_pad  # 0: not set (equal blocks, or a daemon before the field)
 
 
 class RawFetchStub:
@@ -120,6 +122,7 @@ def from_message(msg: pb.FetchResponse) -> WireResponse:
         msg.adapter if msg.HasField("adapter") else None,
         msg.model_fingerprint,
         msg.slice_digest,
+        msg.vocab_pad,
     )
 
 
@@ -193,8 +196,14 @@ def _parse(raw: bytes) -> WireResponse:
     adapter: pb.AdapterInfo | None = None
     fingerprint: str | None = None
     kind: str | None = None
+    vocab_pad: int | None = None
     while pos < end:
         number, wire, pos = _field(raw, pos, end)
+        if number == 6 and wire == _VARINT and vocab_pad is None:
+            vocab_pad, pos = _varint(raw, pos, end)
+            if vocab_pad > _UINT32_MAX:
+                raise _Unusual  # protobuf truncates an oversized uint32: let it decide
+            continue
         if wire != _LEN:
             raise _Unusual
         start, pos = _span(raw, pos, end)
@@ -210,7 +219,7 @@ def _parse(raw: bytes) -> WireResponse:
             kind = _text(raw, start, pos)
         else:
             raise _Unusual  # unknown, or set twice (protobuf merges): let it decide
-    return WireResponse(chunks, done, adapter, fingerprint or "", kind or "")
+    return WireResponse(chunks, done, adapter, fingerprint or "", kind or "", vocab_pad or 0)
 
 
 def _sub(cls: type[M], raw: bytes, start: int, stop: int) -> M:

@@ -2,8 +2,10 @@
 
 Mirrors the ``weightd.v1.Layout`` message. ``Layout(tp_size=4, tp_rank=1)`` is what
 ``fetch(rank=1, world_size=4)`` sends; pipeline and expert parallel workers add
-``pp_size``/``pp_rank`` and ``ep_size``/``ep_rank``. The daemon checks the layout
-against the model; the client only refuses what the wire cannot carry.
+``pp_size``/``pp_rank`` and ``ep_size``/``ep_rank``. ``vocab_pad=N`` asks for
+vocabulary-parallel tensors cut as vLLM cuts a vocabulary padded to a multiple of
+``N`` (uneven rows, possibly none) instead of equal blocks. The daemon checks the
+layout against the model; the client only refuses what the wire cannot carry.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ class Layout:
     #: Decoder layers per pipeline stage, in stage order; empty: the daemon's default
     #: even split (vLLM's). Must sum to the model's ``num_hidden_layers``.
     pp_layers: tuple[int, ...] = ()
+    #: 0: vocabulary-parallel tensors in equal blocks. N > 0: cut as vLLM cuts a
+    #: vocabulary padded to a multiple of N (``padding_size``; vLLM's default is 64):
+    #: rank r gets rows ``[min(r * per, vocab), min((r + 1) * per, vocab))``,
+    #: ``per = padded / tp_size``. The daemon bounds it (65536).
+    vocab_pad: int = 0
 
     def check(self) -> None:
         """Refuse values a uint32 cannot carry or a rank outside its size."""
@@ -44,6 +51,10 @@ class Layout:
                 )
         if any(not 0 <= n < _UINT32 for n in self.pp_layers):
             raise InvalidArgumentError(f"pp_layers {list(self.pp_layers)} has an invalid count")
+        if not 0 <= self.vocab_pad < _UINT32:
+            raise InvalidArgumentError(
+                f"vocab_pad {self.vocab_pad} is invalid: need 0 <= vocab_pad < 2**32"
+            )
 
     @classmethod
     def of_proto(cls, msg: pb.Layout) -> Layout:
@@ -56,6 +67,7 @@ class Layout:
             ep_size=msg.ep_size or 1,
             ep_rank=msg.ep_rank,
             pp_layers=tuple(msg.pp_layers),
+            vocab_pad=msg.vocab_pad,
         )
 
     def describe(self) -> str:
@@ -65,6 +77,8 @@ class Layout:
             parts.append(f"pp {self.pp_rank}/{self.pp_size}")
         if self.ep_size > 1:
             parts.append(f"ep {self.ep_rank}/{self.ep_size}")
+        if self.vocab_pad:
+            parts.append(f"vocab_pad {self.vocab_pad}")
         return ", ".join(parts)
 
     def to_proto(self) -> pb.Layout:
@@ -76,4 +90,5 @@ class Layout:
             ep_size=self.ep_size,
             ep_rank=self.ep_rank,
             pp_layers=list(self.pp_layers),
+            vocab_pad=self.vocab_pad,
         )

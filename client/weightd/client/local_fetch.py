@@ -148,8 +148,10 @@ def _check_granted_layout(grant: lpb.PackGrant, layout: Layout, transport: str) 
     """Refuse a pack for another layout than the one asked for.
 
     A daemon from before the side channel planned whole layouts served every pipeline
-    stage and expert rank the TP pack; its grant names only the TP fields. Such a pack
-    is never handed out: the failure is the transport's, so ``auto`` falls back to gRPC.
+    stage and expert rank the TP pack; its grant names only the TP fields. One from
+    before ``vocab_pad`` cut the vocabulary in equal blocks; its grant has no
+    ``vocab_pad``. Such a pack is never handed out: the failure is the transport's, so
+    ``auto`` falls back to gRPC (where the stream's first message tells the same).
     """
     if grant.HasField("adapter"):
         return  # adapter packs are tensor-parallel only (the daemon refuses others)
@@ -157,7 +159,7 @@ def _check_granted_layout(grant: lpb.PackGrant, layout: Layout, transport: str) 
     if granted != layout:
         raise UnavailableError(
             f"the daemon granted a pack for {granted.describe()}, not {layout.describe()} "
-            "(it predates pipeline/expert layouts over shared memory)",
+            "(it predates pipeline/expert layouts or vocab_pad over shared memory)",
             transport=transport,
         )
 

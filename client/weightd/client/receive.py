@@ -25,7 +25,7 @@ from weightd.common.digests import SLICE_DIGEST_ALGORITHM, slice_digest
 from weightd.v1 import weightd_pb2 as pb
 
 from .dtypes import torch_dtype
-from .errors import DataLossError, WeightdError, from_rpc_error
+from .errors import DataLossError, VocabPadUnsupportedError, WeightdError, from_rpc_error
 from .fetchwire import WireChunk, WireResponse, from_message, parse_fetch_response
 from .hashers import new_hasher
 
@@ -129,11 +129,14 @@ class RankReceiver:
         into: Mapping[str, torch.Tensor] | None = None,
         *,
         asked: str = "",
+        vocab_pad: int = 0,
     ) -> None:
         self.on_tensor = on_tensor
         self.into = into or {}
         #: The slice digest kind the requests ask for ("": the default, SHA-256).
         self.asked = asked
+        #: The ``Layout.vocab_pad`` the requests ask for; each stream must confirm it.
+        self.vocab_pad = vocab_pad
         #: The kind of the current stream's digests, from its first message.
         self.kind = SLICE_DIGEST_ALGORITHM
         self.tensors: dict[str, torch.Tensor] = {}
@@ -178,6 +181,7 @@ class RankReceiver:
                 if self.first is None:
                     self.first = response
                     self.kind = self._stream_kind(response.slice_digest)
+                    self._check_vocab_pad(response.vocab_pad)
                 if done is not None:
                     raise DataLossError("the daemon sent data after closing the stream")
                 if response.model_fingerprint:
@@ -215,6 +219,26 @@ class RankReceiver:
                 f"{self.asked or SLICE_DIGEST_ALGORITHM!r}"
             )
         return named
+
+    def _check_vocab_pad(self, named: int) -> None:
+        """Refuse a stream whose vocabulary cut is not the one asked for.
+
+        A daemon that predates ``Layout.vocab_pad`` ignores it, cuts equal blocks and
+        names nothing: refused before any tensor arrives (the stream is cancelled), as
+        :class:`VocabPadUnsupportedError`. A daemon naming another value is not to be
+        believed about anything else either.
+        """
+        if named == self.vocab_pad:
+            return
+        if not named:
+            raise VocabPadUnsupportedError(
+                f"the daemon predates Layout.vocab_pad: asked for vocab_pad {self.vocab_pad}, "
+                "it would cut vocabulary-parallel tensors in equal blocks; fetch with "
+                "vocab_pad 0 (and re-cut), or upgrade the daemon"
+            )
+        raise DataLossError(
+            f"the daemon names vocab_pad {named}; the client asked for {self.vocab_pad}"
+        )
 
     def _chunk(self, chunk: WireChunk, current: _Incoming | None) -> _Incoming | None:
         """Apply one chunk; the tensor still in flight afterwards (None: none)."""

@@ -49,7 +49,9 @@ def fetch_resumable(
 
     ``into``: tensors to receive into where they fit (see :class:`RankReceiver`).
     """
-    receiver = RankReceiver(on_tensor, into, asked=request.slice_digest)
+    receiver = RankReceiver(
+        on_tensor, into, asked=request.slice_digest, vocab_pad=request.layout.vocab_pad
+    )
 
     def stream_once() -> None:
         ask = pb.FetchRequest()

@@ -399,8 +399,9 @@ Global___ModelDescription: _TypeAlias = ModelDescription  # noqa: Y015
 class Layout(_message.Message):
     """A parallel layout: where one worker sits in (pipeline, expert, tensor) parallelism.
     Non-expert tensors depend on (pp_rank, tp_rank) only; experts are owned by ep ranks
-    in contiguous blocks and split by tp inside. Fields 3-7 were added after 1-2: a
-    request that leaves them unset (0 / empty) asks for tensor parallelism only.
+    in contiguous blocks and split by tp inside. Fields 3-8 were added after 1-2: a
+    request that leaves them unset (0 / empty) asks for tensor parallelism only, with
+    vocabulary-parallel tensors in equal blocks.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -412,6 +413,7 @@ class Layout(_message.Message):
     EP_SIZE_FIELD_NUMBER: _builtins.int
     EP_RANK_FIELD_NUMBER: _builtins.int
     PP_LAYERS_FIELD_NUMBER: _builtins.int
+    VOCAB_PAD_FIELD_NUMBER: _builtins.int
     tp_size: _builtins.int
     """tensor-parallel world size; 0 is rejected"""
     tp_rank: _builtins.int
@@ -421,6 +423,15 @@ class Layout(_message.Message):
     ep_size: _builtins.int
     """expert-parallel size; 0 means 1"""
     ep_rank: _builtins.int
+    vocab_pad: _builtins.int
+    """How vocabulary-parallel tensors (split "vocab": embed_tokens, lm_head) are cut.
+    0: tp equal blocks of vocab / tp rows (vocab % tp != 0 is refused). N > 0 (at most
+    65536): vLLM's cut with padding_size N: the vocabulary padded to a multiple of N
+    (padded % tp must be 0), rank r gets rows [min(r * per, vocab),
+    min((r + 1) * per, vocab)) with per = padded / tp, so the last ranks may get fewer
+    rows, or none (a slice of shape [0, ...], 0 bytes). A daemon that predates the
+    field ignores it and cuts equal blocks: FetchResponse.vocab_pad tells the two apart.
+    """
     @_builtins.property
     def pp_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Decoder layers per pipeline stage, in stage order (must sum to the model's
@@ -437,10 +448,11 @@ class Layout(_message.Message):
         ep_size: _builtins.int = ...,
         ep_rank: _builtins.int = ...,
         pp_layers: _abc.Iterable[_builtins.int] | None = ...,
+        vocab_pad: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "ep_size", b"ep_size", "pp_layers", b"pp_layers", "pp_rank", b"pp_rank", "pp_size", b"pp_size", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_rank", b"ep_rank", "ep_size", b"ep_size", "pp_layers", b"pp_layers", "pp_rank", b"pp_rank", "pp_size", b"pp_size", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "vocab_pad", b"vocab_pad"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -619,6 +631,7 @@ class FetchResponse(_message.Message):
     ADAPTER_FIELD_NUMBER: _builtins.int
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     SLICE_DIGEST_FIELD_NUMBER: _builtins.int
+    VOCAB_PAD_FIELD_NUMBER: _builtins.int
     model_fingerprint: _builtins.str
     """Fetch: set on the first message only. Identity of the served content (config and
     every verified tensor digest); a resume names it in FetchRequest.model_fingerprint.
@@ -627,6 +640,12 @@ class FetchResponse(_message.Message):
     """Fetch: set on the first message only, when the request set slice_digest: the kind
     of every slice digest in this stream. Unset (from a daemon that predates the
     field, or for a request that left slice_digest empty): "sha256".
+    """
+    vocab_pad: _builtins.int
+    """Fetch: set on the first message only, when the request's Layout.vocab_pad was set:
+    the padding the daemon cut vocabulary-parallel tensors with (the request's).
+    Unset (0) from a daemon that predates Layout.vocab_pad, which cut equal blocks: a
+    client that asked for vocab_pad must then refuse the stream's vocabulary slices.
     """
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChunk]:
@@ -648,10 +667,11 @@ class FetchResponse(_message.Message):
         adapter: Global___AdapterInfo | None = ...,
         model_fingerprint: _builtins.str = ...,
         slice_digest: _builtins.str = ...,
+        vocab_pad: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "done", b"done"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chunks", b"chunks", "done", b"done", "model_fingerprint", b"model_fingerprint", "slice_digest", b"slice_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chunks", b"chunks", "done", b"done", "model_fingerprint", b"model_fingerprint", "slice_digest", b"slice_digest", "vocab_pad", b"vocab_pad"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,7 +43,7 @@ from .identity import compare
 from .options import LoaderOptions, parse_options
 from .placement import worker_layout
 from .presharded import mark, presharded_loading
-from .vocab import reconcile, vllm_vocab_rows
+from .vocab import fetch_rows, padded_layout, vllm_vocab_rows, vocab_share
 
 # Under vLLM's logger namespace so its handler and format print these lines with its own.
 log = logging.getLogger("vllm.weightd")
@@ -64,7 +64,8 @@ class LoadReport:
     bytes: int = 0
     #: name -> (shape received, shape in the checkpoint)
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
-    #: extra (tensor, weightd block) fetched to reconcile vLLM's vocabulary cut
+    #: extra (tensor, weightd block) fetched to reconcile vLLM's vocabulary cut (only
+    #: against a daemon that predates ``vocab_pad``: see ``vocab.py``)
     vocab_blocks: list[tuple[str, int]] = field(default_factory=list)
     fallback: str = ""  # the error a fallback load replaced, if any
 
@@ -87,7 +88,7 @@ def load_from_weightd(
     model: torch.nn.Module, model_config: Any, options: LoaderOptions
 ) -> LoadReport:
     """Steps 1-4 above; returns what was received. Raises WeightdLoadError."""
-    layout = worker_layout(model_config)
+    layout = padded_layout(worker_layout(model_config), model)
     where = _where(options, layout)
     started = time.perf_counter()
     try:
@@ -99,7 +100,10 @@ def load_from_weightd(
                     f"{where}: the daemon's model {desc.name!r} is not the checkpoint in "
                     f"{model_config.model}: " + "; ".join(str(d) for d in differences)
                 )
-            state = client.fetch_layout(layout, model=desc.name, transport=options.transport)
+            state, layout = fetch_rows(
+                lambda lay: client.fetch_layout(lay, model=desc.name, transport=options.transport),
+                layout,
+            )
             info = client.last_fetch
             report = LoadReport(options.target, desc.name, layout)
             report.transport = info.transport if info is not None else ""
@@ -117,17 +121,7 @@ def load_from_weightd(
                 shape = full[name]
                 t = tensor
                 if tuple(t.shape) != shape:
-                    if shape[0] in vocab_rows and t.shape[0] * layout.tp_size == shape[0]:
-                        t = reconcile(
-                            name,
-                            t,
-                            shape[0],
-                            layout.tp_size,
-                            layout.tp_rank,
-                            vocab_rows[shape[0]],
-                            block,
-                        )
-                    t = mark(t)
+                    t = mark(vocab_share(name, t, shape, layout, vocab_rows, block))
                 report.shapes[name] = (tuple(t.shape), shape)
                 report.bytes += t.numel() * t.element_size()
                 weights.append((name, t))

@@ -51,6 +51,12 @@ def check_name(name: str) -> None:
 def check_tp_only(layout: Layout) -> None:
     if layout.pp_size > 1 or layout.ep_size > 1:
         raise InvalidRequest("adapters are served for tensor parallelism only")
+    if layout.vocab_pad:
+        # Adapter slices follow the base rules' equal blocks; an adapter on a padded
+        # vocabulary would otherwise arrive cut differently from what was asked.
+        raise InvalidRequest(
+            f"vocab_pad {layout.vocab_pad}: adapters are cut in equal blocks only (vocab_pad 0)"
+        )
 
 
 class AdapterService:

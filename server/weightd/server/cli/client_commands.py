@@ -25,6 +25,14 @@ def add_fetch_parser(sub: Any) -> None:
     f.add_argument("target", help="daemon address, e.g. unix:///run/weightd/weightd.sock")
     f.add_argument("--rank", type=int, required=True)
     f.add_argument("--world-size", type=int, required=True)
+    f.add_argument(
+        "--vocab-pad",
+        type=int,
+        default=0,
+        metavar="N",
+        help="vocabulary-parallel tensors as vLLM cuts them, padded to a multiple of N "
+        "(vLLM: 64); default 0: equal blocks",
+    )
     f.add_argument("--model", default=None)
     f.add_argument("--name", action="append", dest="names", help="only this tensor (repeatable)")
     f.add_argument("--out", required=True, help="output .safetensors file")
@@ -98,7 +106,7 @@ def _daemon_at(text: str) -> Iterator[str]:
 def run_fetch(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    from weightd.client import WeightClient
+    from weightd.client import Layout, WeightClient
 
     from ..base.atomicio import atomic_output
 
@@ -107,14 +115,14 @@ def run_fetch(args: argparse.Namespace) -> int:
         _daemon_at(args.target) as target,
         WeightClient(target, timeout=args.timeout, credentials=creds) as client,
     ):
-        state = client.fetch(args.rank, args.world_size, model=args.model, names=args.names)
+        layout = Layout(tp_size=args.world_size, tp_rank=args.rank, vocab_pad=args.vocab_pad)
+        state = client.fetch_layout(layout, model=args.model, names=args.names)
+    metadata = {"weightd_rank": str(args.rank), "weightd_world_size": str(args.world_size)}
+    if args.vocab_pad:
+        metadata["weightd_vocab_pad"] = str(args.vocab_pad)
     # Written aside and renamed: a full disk leaves the previous file, no partial one.
     with atomic_output(args.out) as tmp:
-        save_file(
-            state,
-            tmp,
-            metadata={"weightd_rank": str(args.rank), "weightd_world_size": str(args.world_size)},
-        )
+        save_file(state, tmp, metadata=metadata)
     total = sum(t.numel() * t.element_size() for t in state.values())
     where = f"rank {args.rank}/{args.world_size}"
     print(f"wrote {len(state)} tensors, {total} bytes, {where} -> {args.out}")

@@ -143,6 +143,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N,N,...",
         help="decoder layers per stage (default: vLLM's even split)",
     )
+    pl.add_argument(
+        "--vocab-pad",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cut vocabulary-parallel tensors as vLLM pads them to a multiple of N "
+        "(vLLM: 64); default 0: equal blocks",
+    )
     pl.add_argument("--rules", action="append", default=[], metavar="FILE")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--tensors", action="store_true", help="list every rank's tensors")
@@ -231,6 +239,7 @@ def _plan(args: argparse.Namespace) -> int:
             args.rules,
             json_out=args.json,
             tensors=args.tensors,
+            vocab_pad=args.vocab_pad,
         )
     )
     return 0

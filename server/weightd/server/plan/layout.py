@@ -8,6 +8,9 @@ A worker's coordinates are ``(pp_rank, ep_rank, tp_rank)``. The planner reads th
 * ``ep``: which contiguous block of experts it owns. Tensors outside the experts
   (attention, dense MLPs, routers) do not depend on ``ep_rank``.
 
+``vocab_pad`` is not a coordinate but a convention of the engine: how the tp ranks
+share a vocabulary-parallel tensor (equal blocks, or vLLM's padded cut).
+
 Global ranks, where one number is needed (``weightd plan``), count ``tp`` fastest,
 then ``ep``, then ``pp``, as Megatron orders its groups.
 """
@@ -24,6 +27,11 @@ from ..base.errors import InvalidRequest, ShardingError
 #: daemon enumerates every peer of a slice once to anchor its digest; no deployment
 #: comes near this.
 MAX_PARALLEL_SIZE: Final = 1024
+
+#: Largest ``vocab_pad`` accepted. vLLM pads to 64 (``DEFAULT_VOCAB_PADDING_SIZE``), or
+#: to LoRA's ``lora_vocab_padding_size`` (256); a bound keeps the padded row count a
+#: small multiple of any real vocabulary.
+MAX_VOCAB_PAD: Final = 1 << 16
 
 
 class LayoutFields(Protocol):
@@ -43,6 +51,8 @@ class LayoutFields(Protocol):
     def ep_rank(self) -> int: ...
     @property
     def pp_layers(self) -> Sequence[int]: ...
+    @property
+    def vocab_pad(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +65,9 @@ class Layout:
     ep_rank: int = 0
     #: Layers per pipeline stage, in stage order; empty means the default even split.
     pp_layers: tuple[int, ...] = ()
+    #: How vocabulary-parallel tensors are cut: 0, equal blocks; N > 0, as vLLM cuts a
+    #: vocabulary padded to a multiple of N (``tpcut.padded_vocab_rows``).
+    vocab_pad: int = 0
 
     @classmethod
     def tp(cls, world_size: int, rank: int) -> Layout:
@@ -76,6 +89,7 @@ class Layout:
             ep_size=msg.ep_size or 1,
             ep_rank=msg.ep_rank,
             pp_layers=tuple(msg.pp_layers),
+            vocab_pad=msg.vocab_pad,
         )
 
     @property
@@ -97,6 +111,8 @@ class Layout:
             parts.append(f"pp {self.pp_rank}/{self.pp_size}")
         if self.ep_size > 1:
             parts.append(f"ep {self.ep_rank}/{self.ep_size}")
+        if self.vocab_pad:
+            parts.append(f"vocab_pad {self.vocab_pad}")
         return ", ".join(parts)
 
     def check(self) -> None:
@@ -130,6 +146,11 @@ class Layout:
                 )
             if any(n < 0 for n in self.pp_layers):
                 raise InvalidRequest(f"pp_layers {list(self.pp_layers)} has a negative count")
+        if not 0 <= self.vocab_pad <= MAX_VOCAB_PAD:
+            raise InvalidRequest(
+                f"vocab_pad {self.vocab_pad} is invalid: it must be between 0 (equal blocks) "
+                f"and {MAX_VOCAB_PAD}"
+            )
 
 
 def stage_ranges(
@@ -169,11 +190,15 @@ def stage_ranges(
 
 
 def every_rank(
-    tp_size: int, pp_size: int = 1, ep_size: int = 1, pp_layers: Sequence[int] = ()
+    tp_size: int,
+    pp_size: int = 1,
+    ep_size: int = 1,
+    pp_layers: Sequence[int] = (),
+    vocab_pad: int = 0,
 ) -> list[Layout]:
     """Every worker of a deployment, in global-rank order (tp fastest, then ep, then pp)."""
     return [
-        Layout(tp_size, t, pp_size, p, ep_size, e, tuple(pp_layers))
+        Layout(tp_size, t, pp_size, p, ep_size, e, tuple(pp_layers), vocab_pad)
         for p in range(pp_size)
         for e in range(ep_size)
         for t in range(tp_size)

@@ -60,9 +60,12 @@ def report(
     pp: int = 1,
     ep: int = 1,
     pp_layers: Sequence[int] = (),
+    vocab_pad: int = 0,
 ) -> PlanReport:
     """Plan every worker of the layout; the first that cannot be planned raises."""
-    ranks = tuple(rank_report(plan(ckpt, rules, lay)) for lay in every_rank(tp, pp, ep, pp_layers))
+    ranks = tuple(
+        rank_report(plan(ckpt, rules, lay)) for lay in every_rank(tp, pp, ep, pp_layers, vocab_pad)
+    )
     stages: tuple[tuple[int, int], ...] = ()
     if pp > 1 and rules is not None and rules.num_layers is not None:
         stages = tuple(stage_ranges(rules.num_layers, pp, pp_layers))
@@ -89,6 +92,7 @@ def as_json(r: PlanReport) -> dict[str, Any]:
         "checkpoint_bytes": r.checkpoint_bytes,
         "num_tensors": r.num_tensors,
         "stages": [list(s) for s in r.stages],
+        "vocab_pad": r.ranks[0].layout.vocab_pad,
         "total_bytes": r.total_bytes,
         "ranks": [
             {
@@ -116,7 +120,8 @@ def as_text(r: PlanReport, tensors: bool = False) -> str:
         f"{r.model} ({r.architecture or 'no architecture'}; rules: {r.family}): "
         f"{r.num_tensors} tensors, {r.checkpoint_bytes} bytes",
         f"layout: tp={first.tp_size} pp={first.pp_size} ep={first.ep_size} "
-        f"({len(r.ranks)} workers)",
+        + (f"vocab_pad={first.vocab_pad} " if first.vocab_pad else "")
+        + f"({len(r.ranks)} workers)",
     ]
     if r.stages:
         drawn = [f"{i}: layers {a}..{b - 1}" for i, (a, b) in enumerate(r.stages)]
@@ -151,10 +156,11 @@ def run_plan(
     rules_files: Sequence[str] = (),
     json_out: bool = False,
     tensors: bool = False,
+    vocab_pad: int = 0,
 ) -> str:
     """What ``weightd plan`` prints. Reads headers only; errors propagate as WeightdError."""
     tables = [load_rules_file(p) for p in rules_files]
     ckpt, store = load_checkpoint(directory)
     store.close()  # headers are all a plan needs
-    r = report(ckpt, rules_for(ckpt.config, tables), tp, pp, ep, pp_layers)
+    r = report(ckpt, rules_for(ckpt.config, tables), tp, pp, ep, pp_layers, vocab_pad)
     return json.dumps(as_json(r), indent=2) if json_out else as_text(r, tensors)

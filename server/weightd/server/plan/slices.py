@@ -25,7 +25,7 @@ from ..store.runs import RunPattern, block_pattern, whole_pattern
 from .layout import Layout
 from .quant import geometry
 from .rules import ArchRules, Experts, Rule, Split
-from .tpcut import logical_blocks, physical
+from .tpcut import logical_blocks, physical, uneven_vocab
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,8 @@ class Partition:
     """The peers among which a tensor is cut, and this slice's place among them.
 
     ``key`` holds what the cut depends on — ``(tp_size, ep_size)`` for a stacked-expert
-    tensor, ``(tp_size, 1)`` otherwise, ``()`` for a whole tensor — so every worker
+    tensor, ``(tp_size, 1)`` otherwise, ``(tp_size, 1, vocab_pad)`` for a vocabulary
+    that ``vocab_pad`` cuts unevenly, ``()`` for a whole tensor — so every worker
     whose slice of the tensor comes from the same cut shares it: the daemon anchors
     the digests of all ``count`` peer slices at once (``integrity.SliceAnchors``).
     """
@@ -72,14 +73,15 @@ def cut_tensor(
     tensors: Mapping[str, TensorInfo],
     layout: Layout,
 ) -> TensorSlice:
-    """Where this worker finds its part of ``t``, checked. Reads only the layout's sizes
-    and ``tp_rank``, and ``ep_rank`` for stacked experts."""
+    """Where this worker finds its part of ``t``, checked. Reads only the layout's sizes,
+    ``tp_rank`` and ``vocab_pad``, and ``ep_rank`` for stacked experts."""
     tp, rank = layout.tp_size, layout.tp_rank
     stacked = rule.experts is Experts.STACKED
     base, shape = t.offset, t.shape
     bits = DTYPE_BITS[t.dtype]
     experts: tuple[int, int] | None = None
     ep_key = 1
+    pad_key: tuple[int, ...] = ()
     if stacked:
         count = rules.num_experts if rules is not None else None
         if not shape or count is None or shape[0] != count:
@@ -101,7 +103,9 @@ def cut_tensor(
                 "tensor-parallel world_size 1 is served"
             )
         geo = geometry(t.name, t.dtype, inner, tensors, quant)
-        key, blocks = logical_blocks(t.name, t.shape, rule, geo, rules, tp, rank)
+        key, blocks = logical_blocks(t.name, t.shape, rule, geo, rules, tp, rank, layout.vocab_pad)
+        if uneven_vocab(rule.split, geo.out_size, layout.vocab_pad):
+            pad_key = (layout.vocab_pad,)
         mapped = physical(t.name, geo, key, blocks, rule.split)
         if mapped is not None:
             dim, phys = mapped
@@ -129,7 +133,7 @@ def cut_tensor(
     index = (layout.ep_rank if experts is not None else 0) * tp_count + (
         rank if cut is not None else 0
     )
-    partition = Partition((tp_count, ep_key), index, tp_count * ep_key)
+    partition = Partition((tp_count, ep_key, *pad_key), index, tp_count * ep_key)
     return TensorSlice(
         t.name, t.dtype, t.shape, tuple(new_shape), t.shard, split_dim, False, pattern, partition
     )
@@ -156,7 +160,7 @@ def peer_slices(
     t = ckpt.tensors[s.name]
     hit = rules.rule_for(t.name)
     assert hit is not None
-    tp_count, ep_count = s.partition.key
+    tp_count, ep_count = s.partition.key[:2]
     out = []
     for index in range(s.partition.count):
         peer = Layout(
@@ -164,6 +168,7 @@ def peer_slices(
             tp_rank=index % tp_count if tp_count > 1 else 0,
             ep_size=layout.ep_size,
             ep_rank=index // tp_count if ep_count > 1 else 0,
+            vocab_pad=layout.vocab_pad,
         )
         out.append(cut_tensor(t, hit[0], rules, ckpt.tensors, peer))
     return out

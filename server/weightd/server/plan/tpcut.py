@@ -6,6 +6,10 @@ kv-head count), or one block per part of a fused tensor (Phi-3 ``qkv_proj`` gets
 its q, k and v heads; ``gate_up_proj`` each half). :func:`physical` maps those
 blocks onto the tensor through its ``quant.Geometry``, refusing any boundary that
 would cut a packed word, a quantization group or a scale block.
+
+Vocabulary-parallel tensors are cut in equal blocks, or, when the layout names a
+``vocab_pad``, as vLLM's ``VocabParallelEmbedding`` cuts them
+(:func:`padded_vocab_rows`): uneven shares, possibly empty ones for the last ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +38,46 @@ def _even(where: str, size: int, tp: int, rank: int) -> list[tuple[int, int]]:
         )
     per = size // tp
     return [(rank * per, (rank + 1) * per)]
+
+
+def padded_vocab_rows(vocab: int, tp: int, rank: int, pad: int) -> tuple[int, int]:
+    """vLLM's ``[start, stop)`` of checkpoint rows for ``rank`` of a vocabulary padded to ``pad``.
+
+    ``VocabParallelEmbedding._get_indices`` for the original vocabulary (no LoRA extra
+    rows): ``padded = ceil(vocab / pad) * pad``, ``per = padded / tp``, and rank ``r``
+    holds ``[min(r * per, vocab), min((r + 1) * per, vocab))``; the rows past ``vocab``
+    are vLLM's zero padding, never served. Raises ValueError when ``padded`` is not
+    divisible by ``tp`` (vLLM's own ``divide`` asserts on it too).
+    """
+    if vocab < 0 or tp < 1 or not 0 <= rank < tp or pad < 1:
+        raise ValueError(f"no vocabulary cut for vocab={vocab} tp={tp} rank={rank} pad={pad}")
+    padded = -(-vocab // pad) * pad
+    if padded % tp:
+        raise ValueError(
+            f"padded to a multiple of vocab_pad {pad} it has {padded} rows, which is not "
+            f"divisible by tensor-parallel world_size {tp}"
+        )
+    per = padded // tp
+    return min(rank * per, vocab), min((rank + 1) * per, vocab)
+
+
+def uneven_vocab(split: Split, size: int, pad: int) -> bool:
+    """Whether a ``vocab_pad`` cut of a dim of ``size`` differs from equal blocks.
+
+    It does exactly when padding adds rows: with ``size % pad == 0``, ``per`` is
+    ``size / tp``. The planner keys slice digests by it, so a ``vocab_pad`` layout of a
+    vocabulary that needs no padding shares every anchor with ``vocab_pad`` 0.
+    """
+    return split is Split.VOCAB and pad > 0 and size % pad != 0
+
+
+def _vocab(where: str, size: int, tp: int, rank: int, pad: int) -> list[tuple[int, int]]:
+    if not pad:
+        return _even(where, size, tp, rank)
+    try:
+        return [padded_vocab_rows(size, tp, rank, pad)]
+    except ValueError as exc:
+        raise ShardingError(f"{where} of size {size}: {exc}") from None
 
 
 def _check_heads(
@@ -82,8 +126,12 @@ def logical_blocks(
     rules: ArchRules | None,
     tp: int,
     rank: int,
+    vocab_pad: int = 0,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """Which logical axis (``"out"``/``"in"``) the split cuts, and this rank's blocks of it."""
+    """Which logical axis (``"out"``/``"in"``) the split cuts, and this rank's blocks of it.
+
+    ``vocab_pad`` (the layout's) applies to ``Split.VOCAB`` only.
+    """
     split = rule.split
     axis_word = "input" if split in (Split.ROW, Split.O_HEADS) else "output"
     axis = geo.inn if axis_word == "input" else geo.out
@@ -96,7 +144,9 @@ def logical_blocks(
     where = _where(name, axis, axis_word, geo)
     key = "in" if axis_word == "input" else "out"
     dim_label = axis.dim if geo.label == "dense" else axis_word
-    if split in (Split.COLUMN, Split.VOCAB, Split.ROW):
+    if split is Split.VOCAB:
+        return key, _vocab(where, size, tp, rank, vocab_pad)
+    if split in (Split.COLUMN, Split.ROW):
         return key, _even(where, size, tp, rank)
     if split is Split.FUSED:
         if size % rule.parts:
@@ -162,12 +212,18 @@ def physical(
     u = axis.unit
     out: list[tuple[int, int]] = []
     for start, stop in blocks:
-        if start % u or (stop % u and not (axis.ceil and stop == size)):
+        if start == stop:
+            # An empty share (the last ranks of vLLM's padded vocabulary): no unit is
+            # cut, and it is empty in every tensor of the module (a ceil-sized scale
+            # tensor included), placed where the dim ends.
+            a = b = -(-start // u)
+        elif start % u or (stop % u and not (axis.ceil and stop == size)):
             raise QuantizationSplitError(
                 f"tensor {name!r} ({geo.label}): block [{start}, {stop}) of its {axis_word} dim "
                 f"does not fall on whole units of {u}"
             )
-        a, b = start // u, -(-stop // u)
+        else:
+            a, b = start // u, -(-stop // u)
         if out and out[-1][1] == a:
             out[-1] = (out[-1][0], b)
         else:

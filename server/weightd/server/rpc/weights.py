@@ -176,7 +176,11 @@ class WeightsService:
             # The kind is named only to a client that asked: an old client's stream
             # stays byte for byte what it was.
             named = kind if request.slice_digest else ""
-            yield pb.FetchResponse(model_fingerprint=served, slice_digest=named)
+            # The padding the vocabulary was cut with, echoed: what tells a client that
+            # asked for vocab_pad this daemon honoured it (an old one leaves it 0).
+            yield pb.FetchResponse(
+                model_fingerprint=served, slice_digest=named, vocab_pad=plan.layout.vocab_pad
+            )
             yield from self._stream(model, plan, chunk, context, start, kind)
         except Exception as exc:
             if isinstance(exc, DataIntegrityError) and model is not None:

@@ -79,6 +79,7 @@ def wire_layout(layout: Layout) -> pb.Layout:
         ep_size=layout.ep_size,
         ep_rank=layout.ep_rank,
         pp_layers=layout.pp_layers,
+        vocab_pad=layout.vocab_pad,
     )
 
 

@@ -5,7 +5,8 @@ Like the gRPC servicer it is thin, and errors become a status in one place
 as the transport's own failure, so a client on ``transport="auto"`` falls back to
 gRPC instead of giving up.
 
-One host pack per (model content, world size, rank): the key is the model's
+One host pack per (model content, layout): the whole layout, ``vocab_pad`` included
+(a padded vocabulary cut is other bytes than equal blocks), and the model's
 fingerprint (its config and verified tensor digests), so a reload with identical bytes
 keeps its packs and a changed model never reuses a stale one. A GPU pack is built from the
 host pack (which must therefore fit the shared-memory budget too). LoRA adapter packs
@@ -65,12 +66,14 @@ PROTOCOL_VERSION: Final = 1
 
 
 def pack_label(layout: Layout) -> str:
-    """A pack's layout in its memfd name and log lines: ``tp2:r1``, ``tp2:r1:pp1/2``."""
+    """A pack's layout in its memfd name and log lines: ``tp2:r1``, ``tp2:r1:pp1/2:v64``."""
     label = f"tp{layout.tp_size}:r{layout.tp_rank}"
     if layout.pp_size > 1:
         label += f":pp{layout.pp_rank}/{layout.pp_size}"
     if layout.ep_size > 1:
         label += f":ep{layout.ep_rank}/{layout.ep_size}"
+    if layout.vocab_pad:
+        label += f":v{layout.vocab_pad}"
     return label
 
 
