@@ -35,6 +35,7 @@ def _fields(r: WireResponse) -> tuple[Any, ...]:
         None if r.adapter is None else r.adapter.SerializeToString(),
         r.model_fingerprint,
         r.slice_digest,
+        r.vocab_pad,
     )
 
 
@@ -91,6 +92,10 @@ def test_parser_reads_what_the_daemon_writes_as_views_of_the_message() -> None:
         b"\x22\x01a\x22\x01b",  # fingerprint twice
         b"\x22\x02fp\x2a\x06blake3",  # fingerprint and the slice digest kind (Fetch's first)
         b"\x2a\x01a\x2a\x01b",  # slice digest kind twice
+        b"\x22\x02fp\x30\x40",  # fingerprint and vocab_pad 64 (Fetch's first message)
+        b"\x30\x40\x30\x80\x01",  # vocab_pad twice: the last wins
+        b"\x30\x80\x80\x80\x80\x10",  # vocab_pad past uint32: protobuf truncates it
+        b"\x32\x00",  # vocab_pad (field 6) with the length wire type: unknown field
         b"\x0a\x03\x30\x96\x01",  # an unknown field in a chunk
         b"\x38\x05\x0a\x00",  # an unknown top-level field
         b"\x0a\x03\x08\x80\x00",  # a non-minimal varint

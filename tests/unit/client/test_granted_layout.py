@@ -43,3 +43,16 @@ def test_another_rank_is_refused_too() -> None:
             Layout(tp_size=2, tp_rank=1),
             "shm",
         )
+
+
+def test_an_old_daemons_grant_without_vocab_pad_is_a_transport_failure() -> None:
+    """A daemon from before ``vocab_pad`` plans equal blocks and grants a layout without it."""
+    grant = lpb.PackGrant(layout=pb.Layout(tp_size=2, tp_rank=0))
+    with pytest.raises(UnavailableError, match="or vocab_pad") as err:
+        _check_granted_layout(grant, Layout(tp_size=2, tp_rank=0, vocab_pad=64), "shm")
+    assert err.value.transport == "shm"  # transport="auto" falls back to gRPC, which refuses
+    _check_granted_layout(
+        lpb.PackGrant(layout=pb.Layout(tp_size=2, tp_rank=0, vocab_pad=64)),
+        Layout(tp_size=2, tp_rank=0, vocab_pad=64),
+        "shm",
+    )
