@@ -275,3 +275,13 @@ def test_vocab_pad_travels_in_the_layout_and_its_description() -> None:
     assert Layout.of(pb.Layout(tp_size=2, tp_rank=1)).vocab_pad == 0  # an old client
     layout.check()
     Layout(tp_size=2, vocab_pad=MAX_VOCAB_PAD).check()
+
+
+def test_adapters_refuse_vocab_pad() -> None:
+    """Adapter slices follow the base rules' equal blocks; a padded cut is not offered."""
+    from weightd.server.adapters.service import check_tp_only
+
+    check_tp_only(Layout(tp_size=2, tp_rank=1))
+    with pytest.raises(InvalidRequest) as err:
+        check_tp_only(Layout(tp_size=2, tp_rank=1, vocab_pad=64))
+    assert str(err.value) == ("vocab_pad 64: adapters are cut in equal blocks only (vocab_pad 0)")
