@@ -199,3 +199,26 @@ def test_a_hostile_rules_file_is_one_line(tmp_path: Path, text: str, problem: st
     assert last.startswith(f"weightd serve: error: {rules}: ")
     assert problem in last
     assert len(last) < 600
+
+
+def test_plan_with_vllms_vocabulary_cut(
+    arch_models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """128 rows padded to a multiple of 48 are 144: 72 rows for rank 0, 56 for rank 1."""
+    directory = str(arch_models["llama"])
+    done = plan_cli(capsys, directory, "--tp", "2", "--vocab-pad", "48", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["vocab_pad"] == 48
+    for rank, rows in enumerate((72, 56)):
+        shapes = {t["name"]: t["shape"] for t in report["ranks"][rank]["tensors"]}
+        assert shapes["model.embed_tokens.weight"][0] == rows
+        assert shapes["lm_head.weight"][0] == rows
+    text = plan_cli(capsys, directory, "--tp", "2", "--vocab-pad", "48")
+    assert text.stdout.splitlines()[1] == "layout: tp=2 pp=1 ep=1 vocab_pad=48 (2 workers)"
+    bad = plan_cli(capsys, directory, "--tp", "2", "--vocab-pad", "70000")
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines() == [
+        "weightd plan: error: vocab_pad 70000 is invalid: it must be between 0 (equal blocks) "
+        "and 65536"
+    ]
