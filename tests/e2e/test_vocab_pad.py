@@ -244,3 +244,37 @@ def test_the_client_refuses_a_negative_vocab_pad_before_sending() -> None:
         pytest.raises(InvalidArgumentError, match="vocab_pad -1 is invalid"),
     ):
         client.fetch_layout(Layout(tp_size=2, tp_rank=0, vocab_pad=-1))
+
+
+def test_weightd_fetch_vocab_pad_writes_vllms_rows(
+    daemon: RunningDaemon, model_dir: Path, tmp_path: Path
+) -> None:
+    import subprocess
+
+    from safetensors import safe_open
+
+    from tests.conftest import weightd_command
+
+    out = tmp_path / "rank0.safetensors"
+    done = subprocess.run(
+        weightd_command(
+            "fetch",
+            daemon.target,
+            "--rank",
+            "0",
+            "--world-size",
+            "2",
+            "--vocab-pad",
+            "64",
+            "--out",
+            str(out),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata()["weightd_vocab_pad"] == "64"
+        head = f.get_tensor("lm_head.weight")
+    assert _bytes(head) == _bytes(read_checkpoint(model_dir)["lm_head.weight"][:512])
