@@ -50,6 +50,7 @@ def load_report(worker: Any) -> dict[str, Any] | None:
         "bytes": report.bytes,
         "layout": [report.layout.tp_size, report.layout.tp_rank],
         "pp": [report.layout.pp_size, report.layout.pp_rank, list(report.layout.pp_layers)],
+        "vocab_pad": report.layout.vocab_pad,
         "shapes": {k: [list(a), list(b)] for k, (a, b) in report.shapes.items()},
         "vocab_blocks": [list(x) for x in report.vocab_blocks],
         "fallback": report.fallback,
@@ -84,6 +85,8 @@ def run_engine(args: argparse.Namespace, load_format: str) -> dict[str, Any]:
         extra = {"target": args.target, "model": args.model}
     elif load_format == "fallback":  # weightd down, fallback to the disk: a fresh engine
         extra = {"target": DOWN, "timeout": 5, "fallback": "disk"}
+    elif load_format == "weightd_old":  # a daemon that predates Layout.vocab_pad
+        extra = {"target": args.old_target, "model": args.model}
     llm = LLM(
         model=args.dir,
         load_format="auto" if load_format == "auto" else "weightd",
@@ -143,6 +146,7 @@ def main() -> None:
     ap.add_argument("--target", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--other-model", default="")
+    ap.add_argument("--old-target", default="")
     ap.add_argument("--loaders", default="weightd,auto")
     ap.add_argument("--checks", action="store_true")
     ap.add_argument("--out", required=True)

@@ -5,7 +5,10 @@ biases, tied embeddings, one kv head: replicated at TP=2) checkpoint, at TP=1 an
 TP=2: the same greedy tokens and logprobs, every worker's parameters bit-identical,
 each worker received only its share; a wrong checkpoint, a daemon that is down and an
 unknown model are refused naming target, model and layout; ``fallback: disk`` loads
-from disk and says so.
+from disk and says so. The Llama's vocabulary (1000 rows) is cut as vLLM cuts it by the
+daemon itself (``Layout.vocab_pad`` 64): no rank fetches a neighbour's block; against a
+daemon that predates the field, the loader re-cuts equal blocks and loads the same
+parameters.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import RunningDaemon
+from tests.vllm.conftest import OldDaemon
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -57,21 +61,40 @@ def test_each_worker_received_only_its_share(engine: Engine, model: str, tp: int
     reports = engine(model, tp)["weightd"]["reports"]
     for rank, report in enumerate(reports):
         assert report["layout"] == [tp, rank]
+        # vLLM's padding_size, sent at tp > 1 (at tp 1 nothing is cut)
+        assert report["vocab_pad"] == (64 if tp > 1 else 0)
         assert report["transport"] == "shm"  # the daemon's host: its shared packs
         for name, (got, full) in report["shapes"].items():
             assert got == _share(name, full, model, tp, rank), name
+        # The daemon cut vLLM's rows itself: nobody fetched a neighbour's block.
+        assert report["vocab_blocks"] == []
     if model == "qwen2":
         assert "lm_head.weight" not in reports[0]["shapes"]  # tied: never invented
-    if tp == 2 and model == "llama":
-        # rank 0's rows straddle weightd's blocks [0, 500) | [500, 1000): it fetched
-        # block 1 of both vocabulary tensors; rank 1's rows lie inside its own block.
-        assert sorted(map(tuple, reports[0]["vocab_blocks"])) == [
-            ("lm_head.weight", 1),
-            ("model.embed_tokens.weight", 1),
-        ]
-        assert reports[1]["vocab_blocks"] == []
-    if tp == 2 and model == "qwen2":
-        assert reports[0]["vocab_blocks"] == reports[1]["vocab_blocks"] == []
+
+
+def test_an_old_daemons_equal_blocks_are_re_cut_to_the_same_parameters(
+    engine: Engine, old_daemon: OldDaemon
+) -> None:
+    """A daemon that ignores vocab_pad: the client refuses its stream, the loader fetches
+    equal blocks and re-cuts (rank 0's rows straddle [0, 500) | [500, 1000), so it fetches
+    block 1 of both vocabulary tensors), and the parameters are the default loader's."""
+    result = engine("llama", 2)
+    old, theirs = result["weightd_old"], result["auto"]
+    assert old["tokens"] == theirs["tokens"]
+    assert old["logprobs"] == theirs["logprobs"]
+    assert old["digests"] == theirs["digests"]
+    reports = old["reports"]
+    assert [r["transport"] for r in reports] == ["grpc", "grpc"]  # no side socket there
+    assert [r["vocab_pad"] for r in reports] == [0, 0]  # what it fell back to
+    assert sorted(map(tuple, reports[0]["vocab_blocks"])) == [
+        ("lm_head.weight", 1),
+        ("model.embed_tokens.weight", 1),
+    ]
+    assert reports[1]["vocab_blocks"] == []
+    for rank, report in enumerate(reports):
+        for name, (got, full) in report["shapes"].items():
+            assert got == _share(name, full, "llama", 2, rank), name
+    assert 64 in old_daemon.asked and 0 in old_daemon.asked  # asked, refused, asked again
 
 
 def test_a_wrong_checkpoint_a_daemon_down_and_an_unknown_model_are_refused(
