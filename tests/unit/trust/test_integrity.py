@@ -183,3 +183,30 @@ def test_anchor_slices_reject_inconsistent_row_patterns(tmp_path: Path) -> None:
         past_end = RunPattern(t.offset + p0.stride, p0.stride, p0.count, p0.segments)
         with pytest.raises(DataIntegrityError, match="disagree on row layout"):
             anchor_slices(store, t, digest, [past_end])
+
+
+def test_slice_anchors_keep_a_bounded_number_of_cuts(tmp_path: Path) -> None:
+    """Client-chosen layouts cannot grow the cache without end (least recent out first);
+    an evicted cut is anchored again, from the bytes, when asked for."""
+    tensors = llama_tensors()
+    root = write_model(tmp_path / "m", split_in_two(tensors))
+    name = "model.layers.0.mlp.gate_proj.weight"
+    rules = rules_for(CONFIG)
+    with loaded(root) as (ckpt, store):
+        t = ckpt.tensors[name]
+        anchors = integrity.SliceAnchors(store, {name: _b3(tbytes(tensors[name]))}, max_entries=2)
+        asked: list[int] = []
+
+        def peers(ws: int) -> list[RunPattern]:
+            asked.append(ws)
+            return [plan_rank(ckpt, rules, ws, r, (name,)).slices[0].pattern for r in range(ws)]
+
+        def digest(ws: int) -> str:
+            return anchors.get(t, ("tp", ws), 0, lambda: peers(ws))
+
+        first = {ws: digest(ws) for ws in (1, 2, 4)}  # three cuts, room for two
+        assert len(anchors) == 2 and asked == [1, 2, 4]
+        assert digest(4) == first[4] and asked == [1, 2, 4]  # kept: no new anchoring
+        assert digest(1) == first[1] and asked == [1, 2, 4, 1]  # evicted: anchored again
+        assert len(anchors) == 2
+    assert first[1] == _sha(tbytes(tensors[name]))

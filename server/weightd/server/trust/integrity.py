@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Sequence
 from concurrent.futures import Future
 from typing import Final
@@ -173,18 +174,37 @@ def anchor_slices(
     return [slice_digest(h, kind) for h in hashers]
 
 
+#: Anchored cuts a model keeps (each a list of its peers' digests: ~100 bytes a rank).
+MAX_ANCHOR_ENTRIES = 4096
+
+
 class SliceAnchors:
     """Cache of anchored slice digests, keyed by (tensor, partition, kind); asks coalesce.
 
     A partition (``slices.Partition.key``) identifies one cut of a tensor and all its
     peer slices, whatever pipeline stage or expert rank asks for them.
+
+    Bounded (least recently used out first): layouts are client-chosen, and each
+    ``(tp_size, vocab_pad)`` pair can be a cut of its own, so a client cycling through
+    them must not grow the daemon's memory without end. An evicted cut is anchored
+    again when asked for (one read of its tensor, what a Fetch of it costs anyway).
     """
 
-    def __init__(self, store: ShardStore, tensor_digests: dict[str, str]) -> None:
+    def __init__(
+        self,
+        store: ShardStore,
+        tensor_digests: dict[str, str],
+        max_entries: int = MAX_ANCHOR_ENTRIES,
+    ) -> None:
         self._store = store
         self._digests = tensor_digests
         self._lock = threading.Lock()
-        self._cache: dict[tuple[str, Hashable, str], Future[list[str]]] = {}
+        self._max = max_entries
+        self._cache: OrderedDict[tuple[str, Hashable, str], Future[list[str]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._cache)
 
     def get(
         self,
@@ -202,6 +222,10 @@ class SliceAnchors:
             if future is None:
                 future = Future()
                 self._cache[key] = future
+                while len(self._cache) > self._max:  # waiters keep their own futures
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
         if owner:
             try:
                 future.set_result(
@@ -216,7 +240,8 @@ class SliceAnchors:
             except BaseException as exc:
                 release_frames(exc)  # waiters share the error; its frames' buffers go now
                 with self._lock:
-                    del self._cache[key]
+                    if self._cache.get(key) is future:  # not evicted meanwhile
+                        del self._cache[key]
                 future.set_exception(exc)
                 raise
         return future.result()[index]
