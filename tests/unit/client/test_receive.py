@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import gc
+import mmap
+import os
+import weakref
 from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from tests.unit.client.wire_streams import PAYLOADS, FakeStream, _rank, _tampered
 from weightd.client.errors import DataLossError
-from weightd.client.receive import RankReceiver
+from weightd.client.receive import POPULATE_MIN_BYTES, RankReceiver
 from weightd.v1 import weightd_pb2 as pb
 
 
@@ -109,3 +114,85 @@ def test_receiver_refuses_digests_of_another_kind(asked: str, kind: str, named: 
     with pytest.raises(DataLossError, match=r"names slice digests|hash to sha256"):
         r.consume(FakeStream(_rank(PAYLOADS, kind=kind, named=named)))
     assert not r.tensors or all(len(p) == 0 for p in _payloads_of(r).values())
+
+
+BIG = [os.urandom(POPULATE_MIN_BYTES + 12_345), b"small", os.urandom(2 * POPULATE_MIN_BYTES)]
+
+
+def test_big_tensors_arrive_bit_for_bit_in_populated_memory_they_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tensors from ``POPULATE_MIN_BYTES`` up get kernel-populated mappings: same bytes,
+    ordinary writable tensors, freed with the tensor."""
+    sizes: list[int] = []
+    real = mmap.mmap
+
+    def spy(fileno: int, length: int, **kw: Any) -> mmap.mmap:
+        sizes.append(length)
+        assert kw["flags"] & mmap.MAP_POPULATE and kw["flags"] & mmap.MAP_PRIVATE
+        return real(fileno, length, **kw)
+
+    monkeypatch.setattr(mmap, "mmap", spy)
+    r = RankReceiver(asked="blake3")
+    r.consume(FakeStream(_rank(BIG, per_message=1 << 18, kind="blake3")))
+    assert _payloads_of(r) == {f"t{i}": p for i, p in enumerate(BIG)}
+    assert sizes == [len(BIG[0]), len(BIG[2])]  # the small one came from torch.empty
+    big = r.tensors["t0"]
+    assert big.is_contiguous() and big.device.type == "cpu" and big.dtype == torch.uint8
+    big[0] = big[0] ^ 0xFF  # writable
+    assert big[0].item() == BIG[0][0] ^ 0xFF
+    assert torch.equal(big.clone(), big)
+    alive = weakref.ref(big.untyped_storage())
+    del big, r
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_mapping_the_kernel_refuses_falls_back_to_torch_empty(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: Any, **kw: Any) -> mmap.mmap:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    r = RankReceiver()
+    r.consume(FakeStream(_rank(BIG, per_message=1 << 18)))
+    assert _payloads_of(r) == {f"t{i}": p for i, p in enumerate(BIG)}
+
+
+def test_a_big_tensor_with_one_flipped_byte_is_refused() -> None:
+    raw = _rank(BIG, per_message=1 << 18, kind="blake3")
+    hit = raw.copy()
+    i = next(k for k, m in enumerate(raw) if BIG[2][1000:1016] in m)
+    hit[i] = raw[i].replace(BIG[2][1000:1016], bytes(b ^ 1 for b in BIG[2][1000:1016]))
+    r = RankReceiver(asked="blake3")
+    with pytest.raises(DataLossError, match="tensor 't2': received bytes hash to blake3:"):
+        r.consume(FakeStream(hit))
+    assert _payloads_of(r) == {"t0": BIG[0], "t1": BIG[1]}  # the complete ones are kept
+
+
+def test_a_big_tensor_cut_short_is_refused_and_resumed_from_its_start() -> None:
+    raw = _rank(BIG, per_message=1 << 18)
+    r = RankReceiver()
+    with pytest.raises(DataLossError, match="ended before"):
+        r.consume(FakeStream(raw[: len(raw) // 2]))
+    assert r.next_index == 2  # t2 was in flight: dropped, t0 and t1 kept (checked)
+    assert _payloads_of(r) == {"t0": BIG[0], "t1": BIG[1]}
+    # The next stream starts at next_index: the daemon sends only what is missing.
+    r.consume(FakeStream(_rank_from(BIG, r.next_index)))
+    assert _payloads_of(r) == {f"t{i}": p for i, p in enumerate(BIG)}
+
+
+def _rank_from(payloads: list[bytes], start: int) -> list[bytes]:
+    """The stream a daemon sends for ``start_index=start``: tensors from ``start`` on."""
+    full = _rank(payloads, per_message=1 << 18)
+    out = [full[0]]
+    for m in full[1:]:
+        chunks = pb.FetchResponse.FromString(m)
+        kept = pb.FetchResponse()
+        kept.chunks.extend(c for c in chunks.chunks if c.index >= start)
+        if chunks.HasField("done"):
+            kept.done.CopyFrom(chunks.done)
+        if kept.chunks or kept.HasField("done"):
+            out.append(kept.SerializeToString())
+    return out
