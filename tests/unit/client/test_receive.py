@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import gc
 import mmap
 import os
-import weakref
 from typing import Any
 
 import grpc
@@ -13,6 +11,7 @@ import pytest
 import torch
 
 from tests.unit.client.wire_streams import PAYLOADS, FakeStream, _rank, _tampered
+from weightd.client import receive
 from weightd.client.errors import DataLossError
 from weightd.client.receive import POPULATE_MIN_BYTES, RankReceiver
 from weightd.v1 import weightd_pb2 as pb
@@ -119,45 +118,61 @@ def test_receiver_refuses_digests_of_another_kind(asked: str, kind: str, named: 
 BIG = [os.urandom(POPULATE_MIN_BYTES + 12_345), b"small", os.urandom(2 * POPULATE_MIN_BYTES)]
 
 
-def test_big_tensors_arrive_bit_for_bit_in_populated_memory_they_own(
+def test_big_tensors_arrive_bit_for_bit_into_pages_populated_chunk_by_chunk(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Tensors from ``POPULATE_MIN_BYTES`` up get kernel-populated mappings: same bytes,
-    ordinary writable tensors, freed with the tensor."""
-    sizes: list[int] = []
-    real = mmap.mmap
+    """Tensors from ``POPULATE_MIN_BYTES`` up have the pages each chunk fills populated
+    just before it is copied in: whole pages inside that tensor only, same bytes."""
+    real = receive.populate.call
+    asked: list[tuple[int, int, int]] = []
 
-    def spy(fileno: int, length: int, **kw: Any) -> mmap.mmap:
-        sizes.append(length)
-        assert kw["flags"] & mmap.MAP_POPULATE and kw["flags"] & mmap.MAP_PRIVATE
-        return real(fileno, length, **kw)
+    def spy(start: int, length: int, advice: int) -> int:
+        asked.append((start, length, advice))
+        return real(start, length, advice) if real is not None else 0
 
-    monkeypatch.setattr(mmap, "mmap", spy)
+    monkeypatch.setattr(receive.populate, "call", spy)
     r = RankReceiver(asked="blake3")
     r.consume(FakeStream(_rank(BIG, per_message=1 << 18, kind="blake3")))
     assert _payloads_of(r) == {f"t{i}": p for i, p in enumerate(BIG)}
-    assert sizes == [len(BIG[0]), len(BIG[2])]  # the small one came from torch.empty
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in (r.tensors["t0"], r.tensors["t2"])]
+    assert len(asked) >= (len(BIG[0]) + len(BIG[2])) // (1 << 18) - 2  # about one per chunk
+    for start, length, advice in asked:
+        assert advice == receive.MADV_POPULATE_WRITE
+        assert start % mmap.PAGESIZE == 0 and length % mmap.PAGESIZE == 0 and length > 0
+        assert any(lo <= start and start + length <= hi for lo, hi in spans)  # never t1's
     big = r.tensors["t0"]
     assert big.is_contiguous() and big.device.type == "cpu" and big.dtype == torch.uint8
-    big[0] = big[0] ^ 0xFF  # writable
+    big[0] = big[0] ^ 0xFF  # an ordinary writable tensor
     assert big[0].item() == BIG[0][0] ^ 0xFF
-    assert torch.equal(big.clone(), big)
-    alive = weakref.ref(big.untyped_storage())
-    del big, r
-    gc.collect()
-    assert alive() is None
 
 
-def test_a_mapping_the_kernel_refuses_falls_back_to_torch_empty(
+def test_a_kernel_that_refuses_the_advice_gets_page_faults_and_the_same_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def refuse(*args: Any, **kw: Any) -> mmap.mmap:
-        raise OSError(12, "Cannot allocate memory")
+    calls: list[int] = []
 
-    monkeypatch.setattr(mmap, "mmap", refuse)
+    def refuse(start: int, length: int, advice: int) -> int:
+        calls.append(length)
+        return -1  # EINVAL before Linux 5.14
+
+    monkeypatch.setattr(receive.populate, "call", refuse)
     r = RankReceiver()
     r.consume(FakeStream(_rank(BIG, per_message=1 << 18)))
     assert _payloads_of(r) == {f"t{i}": p for i, p in enumerate(BIG)}
+    assert len(calls) == 1  # asked once, then never again
+    assert receive.populate.call is None
+
+
+def test_tensors_received_in_place_are_not_populated(monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(start: int, length: int, advice: int) -> int:
+        raise AssertionError("the caller's tensor is already there")
+
+    monkeypatch.setattr(receive.populate, "call", never)
+    into = {"t0": torch.zeros(len(BIG[0]), dtype=torch.uint8)}
+    r = RankReceiver(into=into)
+    r.consume(FakeStream(_rank(BIG[:2], per_message=1 << 18)))
+    assert r.tensors["t0"] is into["t0"]
+    assert bytes(into["t0"].numpy().tobytes()) == BIG[0]
 
 
 def test_a_big_tensor_with_one_flipped_byte_is_refused() -> None:
