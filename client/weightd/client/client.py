@@ -6,10 +6,10 @@ handles instead (``local_fetch``, ``shm``, ``cuda_ipc``); this module is the gRP
 Copies, end to end, for each byte fetched over gRPC (``transport="grpc"``):
 
 1. daemon: page cache → the hand-encoded message's ``bytes`` itself (``preadv`` into
-   it, ``server/weightd/server/rpc/wire.py``), then gRPC's copy into its send buffers;
-2. (gone: the pieces were read into buffers, then joined into the message);
-3. client: gRPC receive buffers → the message's ``bytes`` (gRPC's Python API);
-4. client: a view of that message → the final, preallocated tensor (one copy); the
+   it, ``server/weightd/server/rpc/wire.py``; no join of pieces read elsewhere), then
+   gRPC's copy into its send buffers;
+2. client: gRPC receive buffers → the message's ``bytes`` (gRPC's Python API);
+3. client: a view of that message → the final, preallocated tensor (one copy); the
    message is parsed by ``fetchwire.py``, not protobuf, whose ``FromString`` and
    ``chunk.data`` added two more copies of every byte.
 
