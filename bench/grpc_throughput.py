@@ -17,6 +17,10 @@ fresh memory, as in a real worker), one stream at a time. Rows:
                   digests (``slice_digest="sha256"``: what a client without blake3 gets).
   after           this working tree, both sides, defaults: BLAKE3 slice digests.
   after-norehash  ``after`` against a daemon started with ``--no-fetch-rehash``.
+  after-into      ``after``, received into tensors the caller already holds (every page
+                  touched, allocated outside the clock, as an engine's parameters are):
+                  ``client.load_into(module, transport="grpc")``, in place. No fresh
+                  memory: what the receive path costs without page faults.
   streams-2/-4    ``after`` with ``fetch(..., streams=N)``: N concurrent streams (their
                   GB/s is the whole fetch's, not one stream's).
   old-client      baseline client against the new daemon (compatibility, timed too).
@@ -31,8 +35,9 @@ run checks it received every tensor (weightd verifies every slice's SHA-256).
     .venv/bin/python bench/grpc_throughput.py [--size-mb 400] [--world-size 2] [--repeat 5]
         [--baseline-rev 2bd4002] [--rows bare-raw,bare-pb,before,after] [--json FILE]
 
---baseline-rev is main before slice digests were negotiated (issue #19; 57b8bc6 is the
-one before Fetch messages were hand-encoded, grpc-speed); the
+--baseline-rev is main before Fetch pieces were read straight into their messages and
+big tensors were populated (bd5332b; 2bd4002 is the one before slice digests were
+negotiated, 57b8bc6 the one before Fetch messages were hand-encoded); the
 "before"/"old-*" rows need it in the repository's history (``git archive``), the other
 rows do not. ``--smoke`` uses tiny tensor widths (tests/bench keeps the script working).
 Results and what the profiles showed: docs/grpc-throughput.md.
@@ -62,6 +67,7 @@ ROWS = [
     "after-sha256",
     "after",
     "after-norehash",
+    "after-into",
     "streams-2",
     "streams-4",
     "old-client",
@@ -70,6 +76,7 @@ ROWS = [
 #: Client options of the rows run with this tree's client: (slice digest kind, streams).
 CLIENT_OPTS = {
     "after-sha256": ("sha256", 1),
+    "after-into": ("into", 1),
     "streams-2": ("", 2),
     "streams-4": ("", 4),
 }
@@ -198,6 +205,31 @@ def child(args: argparse.Namespace) -> None:
             nbytes += len(msg) if raw else sum(len(c.data) for c in msg.chunks)
         seconds = time.perf_counter() - started
         tensors = 0
+    elif args.slice_digest == "into":
+        from bench.load_into import module_for
+        from weightd.client import WeightClient
+
+        client = WeightClient(args.target, timeout=600)
+        want = client.fetch(args.rank, args.world_size, transport="grpc")  # shapes; the check
+        spec = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in want.items()}
+        module = module_for(spec)  # every parameter allocated and touched, outside the clock
+        started_cpu = resource.getrusage(resource.RUSAGE_SELF)
+        server_before = _cpu_seconds(args.server_pid)
+        started = time.perf_counter()
+        client.load_into(module, args.rank, args.world_size, transport="grpc")
+        seconds = time.perf_counter() - started
+        now = resource.getrusage(resource.RUSAGE_SELF)
+        server_cpu = _cpu_seconds(args.server_pid) - server_before
+        got = dict(module.named_parameters())
+        if set(got) != set(want) or not all(torch.equal(got[n], want[n]) for n in want):
+            raise SystemExit("after-into: the module does not hold the rank's bytes")
+        nbytes = sum(t.numel() * t.element_size() for t in want.values())
+        tensors = len(want)
+        client.close()
+        cpu = (now.ru_utime - started_cpu.ru_utime) + (now.ru_stime - started_cpu.ru_stime)
+        out = {"seconds": seconds, "bytes": nbytes, "tensors": tensors, "cpu": cpu}
+        print(json.dumps(out | {"server_cpu": server_cpu}))
+        return
     else:
         import weightd.client
 
@@ -241,6 +273,8 @@ def run_client(
             digest,
             "--streams",
             str(streams),
+            "--server-pid",
+            str(server_pid),
         ],
         capture_output=True,
         text=True,
@@ -251,7 +285,8 @@ def run_client(
     if done.returncode:
         raise SystemExit(f"{row}: client failed\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["server_cpu"] = _cpu_seconds(server_pid) - cpu_before
+    if "server_cpu" not in result:  # the child's own window, where it measured one
+        result["server_cpu"] = _cpu_seconds(server_pid) - cpu_before
     return result
 
 
@@ -276,13 +311,14 @@ def main() -> None:
     from bench.checkpoint import add_rank_bench_args, warm_rank_checkpoint
 
     add_rank_bench_args(p)
-    p.add_argument("--baseline-rev", default="2bd4002", help="'before' source (git revision)")
+    p.add_argument("--baseline-rev", default="bd5332b", help="'before' source (git revision)")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of rows")
     p.add_argument("--json", type=Path, default=None, help="also write the raw runs here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--target", default="", help=argparse.SUPPRESS)
     p.add_argument("--slice-digest", default="", help=argparse.SUPPRESS)
     p.add_argument("--streams", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--bare-server", help=argparse.SUPPRESS)
     p.add_argument("--bare-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -308,7 +344,14 @@ def main() -> None:
             if any(r in rows for r in ("before", "old-server")):
                 servers["old"] = start_weightd(directory, work / "old", old_src)
                 procs.append(servers["old"][0])
-            new_rows = ("after", "after-sha256", "old-client", "streams-2", "streams-4")
+            new_rows = (
+                "after",
+                "after-sha256",
+                "after-into",
+                "old-client",
+                "streams-2",
+                "streams-4",
+            )
             if any(r in rows for r in new_rows):
                 servers["new"] = start_weightd(directory, work / "new", None)
                 procs.append(servers["new"][0])
@@ -322,6 +365,7 @@ def main() -> None:
                 "after-sha256": ("new", None),
                 "after": ("new", None),
                 "after-norehash": ("norehash", None),
+                "after-into": ("new", None),
                 "streams-2": ("new", None),
                 "streams-4": ("new", None),
                 "old-client": ("new", old_src),

@@ -194,3 +194,31 @@ def test_no_fetch_rehash_serves_the_same_bytes_and_the_client_still_checks(
                 pytest.raises(DataLossError, match=f"hash to {kind}:"),
             ):
                 client.fetch(1, WORLD, transport="grpc")
+
+
+@pytest.mark.parametrize("kind", ["blake3", "sha256"])
+def test_the_daemon_refuses_bytes_it_reads_into_a_message_that_no_longer_hash_right(
+    transformers_models: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
+    """With the re-hash on (the default), bytes read straight into the outgoing message
+    are hashed there and checked before that message exists: a shard rewritten in place
+    with its mtime put back (invisible to ``fstat``; watcher off) fails the fetch at the
+    daemon, whose message names its own check, and marks the model broken."""
+    model = tmp_path / "model"
+    shutil.copytree(transformers_models["llama"], model)
+    extra = ["--chunk-bytes", "8192", "--watch-interval", "0"]
+    with run_daemon(tmp_path, [("llama", model)], extra) as d:
+        with WeightClient(d.target, timeout=60, slice_digest=kind) as client:
+            _assert_exact(client.fetch(1, WORLD, transport="grpc"), model, 1)
+        shard = sorted(model.glob("*.safetensors"))[-1]
+        st = shard.stat()
+        good = shard.read_bytes()
+        with open(shard, "r+b") as f:
+            f.seek(len(good) - 64)
+            f.write(bytes(b ^ 0xFF for b in good[-64:]))
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with WeightClient(d.target, timeout=60, slice_digest=kind) as client:
+            with pytest.raises(DataLossError, match=f"slice bytes read now hash to {kind}:"):
+                client.fetch(1, WORLD, transport="grpc")
+            (info,) = client.list_models()
+            assert info.state == "broken"

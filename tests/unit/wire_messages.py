@@ -7,6 +7,7 @@ encoder writes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from weightd.server.rpc.wire import EncodedResponse
@@ -25,21 +26,48 @@ HEADER = pb.SliceHeader(
 )
 
 
+def _filler(data: bytes) -> Callable[[memoryview], None]:
+    def fill(view: memoryview) -> None:
+        assert view.nbytes == len(data)
+        view[:] = data
+
+    return fill
+
+
 def _pair(
-    chunks: list[dict[str, Any]], done: pb.FetchDone | None = None, fingerprint: str = ""
+    chunks: list[dict[str, Any]],
+    done: pb.FetchDone | None = None,
+    fingerprint: str = "",
+    *,
+    in_place: bool = False,
 ) -> tuple[bytes, bytes]:
-    """(hand-encoded, protobuf-serialized) bytes of the same message."""
+    """(hand-encoded, protobuf-serialized) bytes of the same message.
+
+    ``in_place``: payloads are added as deferred fills (``add_chunk_into``), written
+    into the message when it is built, as the daemon's Fetch stream does.
+    """
     enc = EncodedResponse()
     msg = pb.FetchResponse(model_fingerprint=fingerprint)
     for c in chunks:
         header = c.get("header")
-        enc.add_chunk(
-            c.get("index", 0),
-            c.get("offset", 0),
-            c.get("data", b""),
-            header=header,
-            digest=c.get("digest", ""),
-        )
+        data = c.get("data", b"")
+        if in_place and len(data):
+            enc.add_chunk_into(
+                c.get("index", 0),
+                c.get("offset", 0),
+                len(data),
+                _filler(bytes(data)),
+                header=header,
+                digest=c.get("digest", ""),
+            )
+        else:
+            enc.add_chunk(
+                c.get("index", 0),
+                c.get("offset", 0),
+                data,
+                header=header,
+                digest=c.get("digest", ""),
+            )
         piece = msg.chunks.add(
             index=c.get("index", 0),
             offset=c.get("offset", 0),

@@ -5,11 +5,11 @@ handles instead (``local_fetch``, ``shm``, ``cuda_ipc``); this module is the gRP
 
 Copies, end to end, for each byte fetched over gRPC (``transport="grpc"``):
 
-1. daemon: page cache → a read buffer (``pread``/``preadv``);
-2. daemon: the hand-encoded message's pieces → one ``bytes`` (``server/fetchwire.py``),
-   then gRPC's copy into its send buffers;
-3. client: gRPC receive buffers → the message's ``bytes`` (gRPC's Python API);
-4. client: a view of that message → the final, preallocated tensor (one copy); the
+1. daemon: page cache → the hand-encoded message's ``bytes`` itself (``preadv`` into
+   it, ``server/weightd/server/rpc/wire.py``; no join of pieces read elsewhere), then
+   gRPC's copy into its send buffers;
+2. client: gRPC receive buffers → the message's ``bytes`` (gRPC's Python API);
+3. client: a view of that message → the final, preallocated tensor (one copy); the
    message is parsed by ``fetchwire.py``, not protobuf, whose ``FromString`` and
    ``chunk.data`` added two more copies of every byte.
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from tests.unit.client.wire_streams import PAYLOADS, FakeStream, _rank, _tampered
+from weightd.client import receive
 from weightd.client.errors import DataLossError
-from weightd.client.receive import RankReceiver
+from weightd.client.receive import POPULATE_MIN_BYTES, RankReceiver
 from weightd.v1 import weightd_pb2 as pb
 
 
@@ -109,3 +113,101 @@ def test_receiver_refuses_digests_of_another_kind(asked: str, kind: str, named: 
     with pytest.raises(DataLossError, match=r"names slice digests|hash to sha256"):
         r.consume(FakeStream(_rank(PAYLOADS, kind=kind, named=named)))
     assert not r.tensors or all(len(p) == 0 for p in _payloads_of(r).values())
+
+
+BIG = [os.urandom(POPULATE_MIN_BYTES + 12_345), b"small", os.urandom(2 * POPULATE_MIN_BYTES)]
+
+
+def test_big_tensors_arrive_bit_for_bit_into_pages_populated_chunk_by_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tensors from ``POPULATE_MIN_BYTES`` up have the pages each chunk fills populated
+    just before it is copied in: whole pages inside that tensor only, same bytes."""
+    real = receive.populate.call
+    asked: list[tuple[int, int, int]] = []
+
+    def spy(start: int, length: int, advice: int) -> int:
+        asked.append((start, length, advice))
+        return real(start, length, advice) if real is not None else 0
+
+    monkeypatch.setattr(receive.populate, "call", spy)
+    r = RankReceiver(asked="blake3")
+    r.consume(FakeStream(_rank(BIG, per_message=1 << 18, kind="blake3")))
+    assert _payloads_of(r) == {f"t{i}": p for i, p in enumerate(BIG)}
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in (r.tensors["t0"], r.tensors["t2"])]
+    assert len(asked) >= (len(BIG[0]) + len(BIG[2])) // (1 << 18) - 2  # about one per chunk
+    for start, length, advice in asked:
+        assert advice == receive.MADV_POPULATE_WRITE
+        assert start % mmap.PAGESIZE == 0 and length % mmap.PAGESIZE == 0 and length > 0
+        assert any(lo <= start and start + length <= hi for lo, hi in spans)  # never t1's
+    big = r.tensors["t0"]
+    assert big.is_contiguous() and big.device.type == "cpu" and big.dtype == torch.uint8
+    big[0] = big[0] ^ 0xFF  # an ordinary writable tensor
+    assert big[0].item() == BIG[0][0] ^ 0xFF
+
+
+def test_a_kernel_that_refuses_the_advice_gets_page_faults_and_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+
+    def refuse(start: int, length: int, advice: int) -> int:
+        calls.append(length)
+        return -1  # EINVAL before Linux 5.14
+
+    monkeypatch.setattr(receive.populate, "call", refuse)
+    r = RankReceiver()
+    r.consume(FakeStream(_rank(BIG, per_message=1 << 18)))
+    assert _payloads_of(r) == {f"t{i}": p for i, p in enumerate(BIG)}
+    assert len(calls) == 1  # asked once, then never again
+    assert receive.populate.call is None
+
+
+def test_tensors_received_in_place_are_not_populated(monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(start: int, length: int, advice: int) -> int:
+        raise AssertionError("the caller's tensor is already there")
+
+    monkeypatch.setattr(receive.populate, "call", never)
+    into = {"t0": torch.zeros(len(BIG[0]), dtype=torch.uint8)}
+    r = RankReceiver(into=into)
+    r.consume(FakeStream(_rank(BIG[:2], per_message=1 << 18)))
+    assert r.tensors["t0"] is into["t0"]
+    assert bytes(into["t0"].numpy().tobytes()) == BIG[0]
+
+
+def test_a_big_tensor_with_one_flipped_byte_is_refused() -> None:
+    raw = _rank(BIG, per_message=1 << 18, kind="blake3")
+    hit = raw.copy()
+    i = next(k for k, m in enumerate(raw) if BIG[2][1000:1016] in m)
+    hit[i] = raw[i].replace(BIG[2][1000:1016], bytes(b ^ 1 for b in BIG[2][1000:1016]))
+    r = RankReceiver(asked="blake3")
+    with pytest.raises(DataLossError, match="tensor 't2': received bytes hash to blake3:"):
+        r.consume(FakeStream(hit))
+    assert _payloads_of(r) == {"t0": BIG[0], "t1": BIG[1]}  # the complete ones are kept
+
+
+def test_a_big_tensor_cut_short_is_refused_and_resumed_from_its_start() -> None:
+    raw = _rank(BIG, per_message=1 << 18)
+    r = RankReceiver()
+    with pytest.raises(DataLossError, match="ended before"):
+        r.consume(FakeStream(raw[: len(raw) // 2]))
+    assert r.next_index == 2  # t2 was in flight: dropped, t0 and t1 kept (checked)
+    assert _payloads_of(r) == {"t0": BIG[0], "t1": BIG[1]}
+    # The next stream starts at next_index: the daemon sends only what is missing.
+    r.consume(FakeStream(_rank_from(BIG, r.next_index)))
+    assert _payloads_of(r) == {f"t{i}": p for i, p in enumerate(BIG)}
+
+
+def _rank_from(payloads: list[bytes], start: int) -> list[bytes]:
+    """The stream a daemon sends for ``start_index=start``: tensors from ``start`` on."""
+    full = _rank(payloads, per_message=1 << 18)
+    out = [full[0]]
+    for m in full[1:]:
+        chunks = pb.FetchResponse.FromString(m)
+        kept = pb.FetchResponse()
+        kept.chunks.extend(c for c in chunks.chunks if c.index >= start)
+        if chunks.HasField("done"):
+            kept.done.CopyFrom(chunks.done)
+        if kept.chunks or kept.HasField("done"):
+            out.append(kept.SerializeToString())
+    return out

@@ -7,13 +7,16 @@ Every message it encodes must be exactly ``SerializeToString`` of the same
 
 from __future__ import annotations
 
+import os
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.wire_messages import HEADER, U32, U64, _pair
+from weightd.server.base.errors import DataIntegrityError
 from weightd.server.rpc import wire as server_wire
 from weightd.server.rpc.weights import WeightsService, add_weights_service
 from weightd.server.rpc.wire import (
@@ -69,6 +72,9 @@ def test_encoded_response_is_byte_identical_to_protobuf(
     mine, theirs = _pair(chunks, done, fingerprint)
     assert mine == theirs
     assert pb.FetchResponse.FromString(mine).SerializeToString() == theirs
+    for api in (server_wire._BYTES_API, None):  # written in place; joined where it cannot be
+        with mock.patch.object(server_wire, "_BYTES_API", api):
+            assert _pair(chunks, done, fingerprint, in_place=True)[0] == theirs
 
 
 @given(
@@ -99,6 +105,47 @@ def test_any_message_encodes_as_protobuf_does(
 ) -> None:
     mine, theirs = _pair(chunks, done, fingerprint)
     assert mine == theirs
+    assert _pair(chunks, done, fingerprint, in_place=True)[0] == theirs
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 7, 1 << 20])
+def test_writable_bytes_are_new_objects_filled_in_place(size: int) -> None:
+    out, view = server_wire.writable_bytes(size)
+    if size < 2:  # CPython shares b"" and one-byte objects: never written
+        assert view is None
+        return
+    assert view is not None and view.nbytes == size and not view.readonly
+    data = os.urandom(size)
+    with view:
+        view[:] = data
+    assert type(out) is bytes and out == data and len(out) == size
+    other, view2 = server_wire.writable_bytes(size)
+    assert other is not out
+    assert view2 is not None
+    view2.release()
+
+
+def test_a_failing_fill_leaves_no_message_and_nothing_else_runs() -> None:
+    """The daemon checks a slice's digest inside its last fill: the message never exists."""
+    calls: list[int] = []
+
+    def ok(view: memoryview) -> None:
+        calls.append(view.nbytes)
+        view[:] = b"\x00" * view.nbytes
+
+    def bad(view: memoryview) -> None:
+        raise DataIntegrityError("tensor 't' in shard s: slice bytes read now hash to x")
+
+    enc = EncodedResponse()
+    enc.add_chunk_into(0, 0, 10, ok, header=HEADER)
+    enc.add_chunk_into(0, 10, 5, bad, digest="sha256:00")
+    enc.add_chunk_into(1, 0, 3, ok, header=HEADER, digest="sha256:11")
+    assert enc.payload_bytes == 18 and not enc.empty
+    with pytest.raises(DataIntegrityError, match="read now hash to"):
+        enc.build()
+    assert calls == [10]  # stopped at the failing piece
+    with pytest.raises(DataIntegrityError):
+        serialize_fetch_response(enc)  # nor can gRPC get it later
 
 
 def test_encoder_refuses_out_of_range_fields() -> None:

@@ -30,6 +30,7 @@ from weightd.server.base.errors import DataIntegrityError
 from weightd.server.checkpoint.description import TensorInfo
 from weightd.server.checkpoint.scan import load_checkpoint
 from weightd.server.store.runs import RunPattern, block_pattern, whole_pattern
+from weightd.server.store.shards import pattern_pieces
 from weightd.server.trust.integrity import hash_checkpoint
 
 # --- ShardStore: files changing under the daemon -----------------------------------------------
@@ -69,6 +70,9 @@ def test_truncated_shard_raises_data_integrity_error(tmp_path: Path, kind: str, 
         assert str(root / t.shard) in str(info.value)
         with pytest.raises(DataIntegrityError, match="short read"):
             store.read_exact(t.shard, t.offset, t.nbytes)
+        for piece in pattern_pieces(pattern, 256):  # read in place (Fetch): refused as well
+            with pytest.raises(DataIntegrityError):
+                store.read_piece_into(t.shard, pattern, piece, memoryview(bytearray(piece.size)))
         with pytest.raises(DataIntegrityError, match=f"size changed from .* to {size} bytes"):
             store.check(t.shard)
 
@@ -80,8 +84,12 @@ def test_truncation_after_the_tensor_is_caught_by_the_identity_check(tmp_path: P
         os.truncate(root / SHARD2, first.offset + first.nbytes)
         # the bytes are still there, but the file is not the one that was verified
         assert store.read_exact(SHARD2, first.offset, first.nbytes) == tbytes(tensors[first.name])
+        pattern = whole_pattern(first.offset, first.nbytes)
         with pytest.raises(DataIntegrityError, match="size changed"):
-            list(store.iter_pattern(SHARD2, whole_pattern(first.offset, first.nbytes), 1 << 20))
+            list(store.iter_pattern(SHARD2, pattern, 1 << 20))
+        (piece,) = pattern_pieces(pattern, 1 << 20)
+        with pytest.raises(DataIntegrityError, match="size changed"):  # in place, the same
+            store.read_piece_into(SHARD2, pattern, piece, memoryview(bytearray(piece.size)))
 
 
 def test_shard_rewritten_in_place_is_detected(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from weightd.server.store.runs import block_pattern, whole_pattern
-from weightd.server.store.shards import MAX_GAP_BYTES, ShardStore
+from weightd.server.store.shards import MAX_GAP_BYTES, ShardStore, pattern_pieces
 
 
 @pytest.fixture
@@ -70,6 +70,32 @@ def test_iter_pattern_equals_numpy_slicing(
     pieces = list(store.iter_pattern("data.bin", pattern, max_bytes))
     assert b"".join(pieces) == numpy_slice(a, dim, blocks)
     assert all(0 < len(p) <= max_bytes for p in pieces)
+
+
+@pytest.mark.parametrize("max_bytes", MAX_BYTES)
+@pytest.mark.parametrize(("rows", "cols", "dim", "blocks"), PATTERN_CASES)
+def test_pieces_read_in_place_are_iter_patterns_pieces(
+    raw_file: Callable[[int], tuple[ShardStore, bytes]],
+    rows: int,
+    cols: int,
+    dim: int,
+    blocks: list[tuple[int, int]],
+    max_bytes: int,
+) -> None:
+    """The Fetch stream reads each piece into its message: the same cuts, the same bytes."""
+    store, data = raw_file(BASE + rows * cols + 50)
+    a = np.frombuffer(data, np.uint8, rows * cols, BASE).reshape(rows, cols)
+    pattern = block_pattern(BASE, a.shape, 8, dim, blocks)
+    pieces = list(pattern_pieces(pattern, max_bytes))
+    filled = []
+    for piece in pieces:
+        dst = bytearray(b"\xa5" * piece.size)  # no byte may be left as it was by chance
+        store.read_piece_into("data.bin", pattern, piece, memoryview(dst))
+        filled.append(bytes(dst))
+    assert filled == [bytes(p) for p in store.iter_pattern("data.bin", pattern, max_bytes)]
+    assert b"".join(filled) == numpy_slice(a, dim, blocks)
+    with pytest.raises(ValueError, match="destination holds"):
+        store.read_piece_into("data.bin", pattern, pieces[0], memoryview(bytearray(1 + max_bytes)))
 
 
 @pytest.mark.parametrize("max_bytes", [2, 1000, 1 << 20])

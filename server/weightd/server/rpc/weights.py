@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import Counter
 
-from weightd.common.digests import slice_digest, slice_kind
+from weightd.common.digests import Hasher, slice_digest, slice_kind
 from weightd.v1 import weightd_pb2 as pb
 
 from ..base.errors import (
@@ -21,7 +21,9 @@ from ..base.errors import (
 )
 from ..plan.layout import Layout
 from ..plan.planner import RankPlan
+from ..plan.slices import TensorSlice
 from ..registry.models import LoadedModel, ModelRegistry
+from ..store.shards import Piece, pattern_pieces
 from ..trust.integrity import slice_hasher
 from .adapters import Adapters
 from .resume import resume_start
@@ -29,8 +31,8 @@ from .status import abort, unary
 from .wire import (
     DEFAULT_CHUNK_BYTES,
     WEIGHTS_SERVICE,
-    Buffer,
     EncodedResponse,
+    Fill,
     chunk_bytes,
     serialize_fetch_response,
 )
@@ -210,9 +212,10 @@ class WeightsService:
         anchored digest is sent as it is: the store still compares each shard's
         ``fstat`` with the verified one after every read, and the client checks every
         byte against the digest; what is lost is the daemon noticing, by itself, bytes
-        changed under an unchanged size and mtime (docs/grpc-throughput.md). Pieces are
-        referenced, not copied, until gRPC serializes the message (see :mod:`.wire` for
-        why messages are not built with protobuf).
+        changed under an unchanged size and mtime (docs/grpc-throughput.md). Each piece
+        is read from the shard straight into the message that carries it, when the
+        message is built just before it is yielded (see :mod:`.wire` for why messages
+        are not built with protobuf, and why they are written in place).
         """
         rehash = self.rehash
         pending = EncodedResponse()
@@ -232,30 +235,61 @@ class WeightsService:
             )
             hasher = slice_hasher(kind) if rehash else None
             offset = 0
-            pieces: Iterator[Buffer] = model.store.iter_pattern(s.shard, s.pattern, chunk)
+            pieces: Iterable[Piece] = pattern_pieces(s.pattern, chunk)
             if s.nbytes == 0:
-                pieces = iter([b""])
-            for data in pieces:
-                size = len(data)
-                if hasher is not None:
-                    hasher.update(data)
-                digest = ""
-                if offset + size == s.nbytes:
-                    actual = anchored if hasher is None else slice_digest(hasher, kind)
-                    if actual != anchored:
-                        raise DataIntegrityError(
-                            f"tensor {s.name!r} in shard {s.shard}: slice bytes read now hash to "
-                            f"{actual}, the verified slice to {anchored}"
-                        )
-                    digest = anchored
+                pieces = (Piece(0),)
+            for piece in pieces:
+                size = piece.size
+                last = offset + size == s.nbytes
+                fill = _filler(model, s, piece, hasher, kind, anchored if last else None)
                 if not pending.empty and pending.payload_bytes + size > chunk:
+                    pending.build()  # reads its pieces, checks their digests, or raises
                     yield pending
                     pending = EncodedResponse()
-                pending.add_chunk(index, offset, data, header=header, digest=digest)
+                digest = anchored if last else ""
+                if size:
+                    pending.add_chunk_into(index, offset, size, fill, header=header, digest=digest)
+                else:
+                    fill(memoryview(b""))
+                    pending.add_chunk(index, offset, b"", header=header, digest=digest)
                 header = None  # the first chunk of a slice only
                 offset += size
         pending.set_done(pb.FetchDone(num_tensors=len(plan.slices), total_bytes=plan.nbytes))
+        pending.build()
         yield pending
+
+
+def _filler(
+    model: LoadedModel,
+    s: TensorSlice,
+    piece: Piece,
+    hasher: Hasher | None,
+    kind: str,
+    anchored: str | None,
+) -> Fill:
+    """What writes one piece of slice ``s`` into its message (see :meth:`WeightsService._stream`).
+
+    It reads the piece from the shard straight into the message (the store checks the
+    shard's identity after the read), feeds the slice's running hash, and on the
+    slice's last piece (``anchored`` set) compares the digest with the verified one:
+    a mismatch raises before the message exists, so those bytes are never sent.
+    """
+
+    def fill(view: memoryview) -> None:
+        if view.nbytes:
+            model.store.read_piece_into(s.shard, s.pattern, piece, view)
+        if hasher is not None:
+            hasher.update(view)
+        if anchored is None:
+            return
+        actual = anchored if hasher is None else slice_digest(hasher, kind)
+        if actual != anchored:
+            raise DataIntegrityError(
+                f"tensor {s.name!r} in shard {s.shard}: slice bytes read now hash to "
+                f"{actual}, the verified slice to {anchored}"
+            )
+
+    return fill
 
 
 def add_weights_service(service: WeightsService, server: grpc.Server) -> None:

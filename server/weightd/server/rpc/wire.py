@@ -25,6 +25,8 @@ this; every other method (FetchAdapter included) still goes through protobuf.
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
 from typing import Final, TypeAlias
 
 from weightd.v1 import weightd_pb2 as pb
@@ -47,6 +49,59 @@ def chunk_bytes(requested: int, default: int = DEFAULT_CHUNK_BYTES) -> int:
 
 #: Anything whose bytes can be joined: ``bytes`` from ``pread``, or a read buffer.
 Buffer: TypeAlias = bytes | bytearray | memoryview
+#: Writes a chunk's payload into the message, in place (the view is exactly its size):
+#: the Fetch stream reads the shard straight into it and checks the slice's digest.
+Fill: TypeAlias = Callable[[memoryview], None]
+
+
+class _Deferred:
+    """A payload not read yet: ``size`` bytes that ``fill`` writes when the message is built."""
+
+    __slots__ = ("fill", "size")
+
+    def __init__(self, size: int, fill: Fill) -> None:
+        self.size = size
+        self.fill = fill
+
+
+def _bytes_api() -> tuple[Callable[[None, int], bytes], Callable[[bytes], int]] | None:
+    """CPython's ``PyBytes_FromStringAndSize`` and ``PyBytes_AsString``, or None elsewhere."""
+    try:
+        api = ctypes.pythonapi
+    except AttributeError:  # not CPython
+        return None
+    new = api.PyBytes_FromStringAndSize
+    new.restype = ctypes.py_object
+    new.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+    address = api.PyBytes_AsString
+    address.restype = ctypes.c_void_p
+    address.argtypes = (ctypes.py_object,)
+    return new, address
+
+
+_BYTES_API: Final = _bytes_api()
+
+
+def writable_bytes(size: int) -> tuple[bytes, memoryview | None]:
+    """A new ``bytes`` of ``size`` bytes and a writable view of its memory (None: unavailable).
+
+    Why: gRPC's Python API takes each message as one ``bytes``, and a ``bytes`` can
+    only be filled while it is being created. ``PyBytes_FromStringAndSize(NULL, n)``
+    is how C code does that: the object is allocated with its contents uninitialised,
+    for its creator to fill before anyone else sees it. Doing the same here lets the
+    daemon read a shard straight into the message it sends, instead of reading into
+    one buffer and joining it into the message (one copy of every byte fewer,
+    docs/grpc-throughput.md). The caller must fill every byte, keep the view to
+    itself, release it before handing the ``bytes`` out, and never use it after.
+    Sizes 0 and 1 are shared singletons in CPython, so they are refused (None).
+    """
+    if _BYTES_API is None or size < 2:
+        return b"", None
+    new, address = _BYTES_API
+    out = new(None, size)
+    view = memoryview((ctypes.c_char * size).from_address(address(out))).cast("B")
+    return out, view
+
 
 # Field keys: (field number << 3) | wire type (0 varint, 2 length-delimited).
 _RESPONSE_CHUNKS: Final = b"\x0a"  # FetchResponse.chunks = 1
@@ -88,19 +143,20 @@ class EncodedResponse:
     (``TensorChunk.data``) it carries, for the daemon's metrics.
     """
 
-    __slots__ = ("_done", "_fingerprint", "_parts", "payload_bytes")
+    __slots__ = ("_built", "_done", "_fingerprint", "_parts", "payload_bytes")
 
     def __init__(self) -> None:
-        self._parts: list[Buffer] = []
+        self._parts: list[Buffer | _Deferred] = []
         self._done = b""
         self._fingerprint = b""
+        self._built: bytes | None = None
         self.payload_bytes = 0
 
     def add_chunk(
         self,
         index: int,
         offset: int,
-        data: Buffer,
+        data: Buffer | _Deferred,
         *,
         header: pb.SliceHeader | None = None,
         digest: str = "",
@@ -108,10 +164,11 @@ class EncodedResponse:
         """Append a ``TensorChunk``; ``header`` None leaves the field unset (not empty).
 
         ``data`` is referenced, not copied: it must not change until :meth:`serialize`.
+        It may be a :class:`_Deferred` payload (see :meth:`add_chunk_into`).
         """
         if not 0 <= index <= _UINT32_MAX:
             raise ValueError(f"chunk index {index} does not fit a uint32")
-        size = memoryview(data).nbytes
+        size = data.size if isinstance(data, _Deferred) else memoryview(data).nbytes
         before = b""
         if index:
             before += _CHUNK_INDEX + varint(index)
@@ -130,6 +187,66 @@ class EncodedResponse:
             self._parts.append(after)
         self.payload_bytes += size
 
+    def add_chunk_into(
+        self,
+        index: int,
+        offset: int,
+        size: int,
+        fill: Fill,
+        *,
+        header: pb.SliceHeader | None = None,
+        digest: str = "",
+    ) -> None:
+        """Append a ``TensorChunk`` whose ``size`` payload bytes ``fill`` writes in :meth:`build`.
+
+        ``digest`` is written as given; a ``fill`` that checks it raises from
+        :meth:`build`, before the message exists.
+        """
+        self.add_chunk(index, offset, _Deferred(size, fill), header=header, digest=digest)
+
+    def build(self) -> bytes:
+        """The message's bytes, written now: every deferred payload is filled in place.
+
+        Once per message, after its last chunk and ``done``. Errors from a ``fill``
+        propagate (the message is then never sent). Where :func:`writable_bytes` is
+        not available, payloads are filled into buffers and joined (one copy more).
+        """
+        if self._built is not None:
+            return self._built
+        parts = [*self._parts, self._done, self._fingerprint]
+        if not any(isinstance(p, _Deferred) for p in parts):
+            self._built = b"".join(p for p in parts if not isinstance(p, _Deferred))
+            self._parts = []
+            return self._built
+        total = sum(p.size if isinstance(p, _Deferred) else memoryview(p).nbytes for p in parts)
+        out, view = writable_bytes(total)
+        if view is None:
+            pieces: list[Buffer] = []
+            for p in parts:
+                if isinstance(p, _Deferred):
+                    buf = bytearray(p.size)
+                    p.fill(memoryview(buf))
+                    pieces.append(buf)
+                else:
+                    pieces.append(p)
+            self._built = b"".join(pieces)
+            self._parts = []
+            return self._built
+        with view:
+            pos = 0
+            for p in parts:
+                if isinstance(p, _Deferred):
+                    p.fill(view[pos : pos + p.size])
+                    pos += p.size
+                else:
+                    n = memoryview(p).nbytes
+                    view[pos : pos + n] = p
+                    pos += n
+        # Only now, with every byte written: a failed build leaves nothing to send.
+        self._built = out
+        self._parts = []  # the payload buffers are not needed any more
+        return out
+
     def set_done(self, done: pb.FetchDone) -> None:
         """Set ``FetchResponse.done`` (written even when all its fields are 0)."""
         self._done = _length_delimited(_RESPONSE_DONE, done.SerializeToString())
@@ -142,11 +259,11 @@ class EncodedResponse:
     @property
     def empty(self) -> bool:
         """True while no chunk was added."""
-        return not self._parts
+        return not self._parts and self._built is None
 
     def serialize(self) -> bytes:
-        """The message's wire bytes: the payload is copied here, once."""
-        return b"".join([*self._parts, self._done, self._fingerprint])
+        """The message's wire bytes (built now unless :meth:`build` ran)."""
+        return self.build()
 
 
 def serialize_fetch_response(response: pb.FetchResponse | EncodedResponse) -> bytes:

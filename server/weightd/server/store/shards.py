@@ -80,6 +80,42 @@ class OpenShard:
     linked: bool = False  # reached through a symbolic link
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One piece of a pattern's bytes in output order, as :func:`pattern_pieces` cuts them.
+
+    ``rows`` None: ``size`` bytes at file ``offset``. Otherwise rows ``rows[0]..rows[1]``
+    of the pattern, gathered (``offset`` unused).
+    """
+
+    size: int
+    offset: int = 0
+    rows: tuple[int, int] | None = None
+
+
+def pattern_pieces(pattern: RunPattern, max_bytes: int) -> Iterator[Piece]:
+    """How a pattern's bytes are cut into pieces of at most ``max_bytes`` (pure).
+
+    A pattern of one row, or rows of ``max_bytes`` or more, is cut along its file
+    ranges; smaller rows are gathered, as many whole rows per piece as fit.
+    """
+    rb = pattern.row_bytes
+    if pattern.count == 1 or rb >= max_bytes:
+        for i in range(pattern.count):
+            row = pattern.base + i * pattern.stride
+            for off, length in pattern.segments:
+                pos = 0
+                while pos < length:
+                    n = min(max_bytes, length - pos)
+                    yield Piece(n, row + off + pos)
+                    pos += n
+        return
+    rows_per_piece = max(1, max_bytes // rb)
+    for lo in range(0, pattern.count, rows_per_piece):
+        hi = min(pattern.count, lo + rows_per_piece)
+        yield Piece((hi - lo) * rb, rows=(lo, hi))
+
+
 class ShardStore:
     """Owns the descriptors of one model's shards; thread-safe for concurrent reads."""
 
@@ -207,26 +243,32 @@ class ShardStore:
         that nothing else holds (rows gathered into a ``bytearray`` are handed out as
         they are, not copied again into ``bytes``).
         """
-        rb = pattern.row_bytes
-        if pattern.count == 1 or rb >= max_bytes:
-            for i in range(pattern.count):
-                row = pattern.base + i * pattern.stride
-                for off, length in pattern.segments:
-                    pos = 0
-                    while pos < length:
-                        n = min(max_bytes, length - pos)
-                        data = self.read_exact(name, row + off + pos, n)
-                        self.check(name)
-                        yield data
-                        pos += n
-            return
-        rows_per_piece = max(1, max_bytes // rb)
-        for lo in range(0, pattern.count, rows_per_piece):
-            hi = min(pattern.count, lo + rows_per_piece)
-            buf = bytearray((hi - lo) * rb)
-            self._read_rows(name, pattern, lo, hi, memoryview(buf))
-            self.check(name)
-            yield buf
+        for piece in pattern_pieces(pattern, max_bytes):
+            if piece.rows is None:
+                data: bytes | bytearray = self.read_exact(name, piece.offset, piece.size)
+                self.check(name)
+            else:
+                data = bytearray(piece.size)
+                self.read_piece_into(name, pattern, piece, memoryview(data))
+            yield data
+
+    def read_piece_into(
+        self, name: str, pattern: RunPattern, piece: Piece, dst: memoryview
+    ) -> None:
+        """Read one piece of :func:`pattern_pieces` straight into ``dst`` (its exact size).
+
+        The Fetch stream reads each piece into the message that carries it, so the
+        bytes are copied once, from the page cache into the message (see
+        :mod:`weightd.server.rpc.wire`). The shard's identity is checked afterwards,
+        as :meth:`iter_pattern` does per piece.
+        """
+        if len(dst) != piece.size:
+            raise ValueError(f"destination holds {len(dst)} bytes, the piece {piece.size}")
+        if piece.rows is None:
+            self.read_into(name, piece.offset, dst)
+        else:
+            self._read_rows(name, pattern, piece.rows[0], piece.rows[1], dst)
+        self.check(name)
 
     def read_pattern_into(self, name: str, pattern: RunPattern, dst: memoryview) -> None:
         """Read the pattern's bytes, in output order, straight into ``dst`` (its exact size).
