@@ -155,7 +155,17 @@ def main() -> None:
     p.add_argument("--digest", action="store_true")
     args = p.parse_args()
     if args.case.startswith("weightd"):
-        import weightd.client  # noqa: F401 - import before the clock starts, like the peers
+        # Import before the clock starts, like the peers (safetensors.torch): the client
+        # and what a fetch imports lazily -- grpc's channel module (loaded by the first
+        # channel; a throwaway one to nowhere connects to nothing) and the transports.
+        import grpc
+
+        import weightd.client
+        import weightd.client.local_fetch
+        import weightd.client.receive
+        import weightd.client.shm  # noqa: F401
+
+        grpc.insecure_channel("unix:///nonexistent/weightd-bench.sock").close()
     else:
         import safetensors.torch  # noqa: F401
     before_mem, before_io = memory(), io()
