@@ -1,0 +1,146 @@
+"""What huge pages do for a shared-memory fetch: seconds per GiB until a pack is resident.
+
+A worker that maps a rank pack pays one page-table entry per page the first time it
+reads it; with 4 KiB pages that is all that is left of a shared-memory fetch
+(docs/grpc-throughput.md). Packs are memfds, so huge pages for them are shmem THP,
+governed by ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``, a host-wide
+setting. This benchmark allocates a pack-sized memfd the way ``packs/build.py`` does
+for each mode (``packs/hugepages.py``: fallocate, or advice plus
+``MADV_POPULATE_WRITE`` under ``advise``), maps it as the client maps packs
+(``MAP_PRIVATE``, read only) in a fresh child process, and times reading one byte of
+every page, lazily and after ``MADV_POPULATE_READ``.
+
+``--modes never,advise`` compares the modes in one run, alternating: it sets the
+host's ``shmem_enabled`` for each measurement and restores the original value at the
+end, so it needs root and a writable sysfs (it says so and stops otherwise). Without
+``--modes`` it measures the current mode only.
+
+    sudo .venv/bin/python bench/shm_pages.py --modes never,advise --size-gib 1 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from weightd.server.packs.hugepages import (
+    SHMEM_ENABLED,
+    advise_and_allocate,
+    allocate_by_advice,
+    parse_mode,
+)
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+PAGE = 4096
+
+
+def _mode() -> str:
+    try:
+        with open(SHMEM_ENABLED) as f:
+            return parse_mode(f.read())
+    except OSError:  # no THP in this kernel: 4 KiB pages, as packs/hugepages.py reads it
+        return "never"
+
+
+def _set_mode(mode: str) -> None:
+    with open(SHMEM_ENABLED, "w") as f:
+        f.write(mode)
+
+
+def child(size: int) -> None:
+    """Allocate a pack as the daemon would in this mode, then read it as a worker would."""
+    mode = _mode()
+    fd = os.memfd_create("weightd-bench-pack", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    writer = mmap.mmap(fd, size)
+    if allocate_by_advice(mode):
+        advise_and_allocate(writer)
+    else:
+        os.posix_fallocate(fd, 0, size)
+    pages = np.frombuffer(writer, dtype=np.uint8)
+    pages[::PAGE] = 1
+    del pages
+    writer.close()
+    huge_kb = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("ShmemHugePages:"):
+                huge_kb = int(line.split()[1])
+    out = {"mode": mode, "shmem_huge_gib": huge_kb / 2**20}
+    for how in ("touch", "populate"):
+        reader = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # as client/shm.py maps
+        view = np.frombuffer(reader, dtype=np.uint8)
+        started = time.perf_counter()
+        if how == "populate":
+            reader.madvise(MADV_POPULATE_READ)
+        total = int(view[::PAGE].sum())
+        out[how] = (time.perf_counter() - started) / (size / 2**30)
+        assert total == size // PAGE
+        del view
+        reader.close()
+    os.close(fd)
+    print(json.dumps(out), flush=True)
+
+
+def measure(size: int) -> dict[str, float | str]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", "--size-bytes", str(size)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    result: dict[str, float | str] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--modes", default="", help="e.g. never,advise (sets shmem_enabled; root)")
+    p.add_argument("--size-gib", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--size-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.size_bytes)
+        return 0
+    size = int(args.size_gib * 2**30) // (2 << 20) * (2 << 20)  # whole huge pages
+    original = _mode()
+    modes = [m for m in args.modes.split(",") if m] or [original]
+    if modes != [original] and not os.access(SHMEM_ENABLED, os.W_OK):
+        print(f"--modes needs root and a writable {SHMEM_ENABLED}", file=sys.stderr)
+        return 2
+    rows: dict[str, list[dict[str, float | str]]] = {m: [] for m in modes}
+    try:
+        for _ in range(args.rounds):
+            for mode in modes:  # alternating: the machine's noise falls on every mode
+                if mode != _mode():
+                    _set_mode(mode)
+                rows[mode].append(measure(size))
+    finally:
+        if _mode() != original:
+            _set_mode(original)
+    print(f"{size / 2**30:.2f} GiB pack, {args.rounds} rounds, shmem_enabled was {original}")
+    print("| shmem_enabled | huge pages (GiB) | touch s/GiB (median) | populate+touch s/GiB |")
+    print("|---|---|---|---|")
+    base = None
+    for mode, got in rows.items():
+        touch = statistics.median(float(r["touch"]) for r in got)
+        populate = statistics.median(float(r["populate"]) for r in got)
+        huge = max(float(r["shmem_huge_gib"]) for r in got)
+        base = base or touch
+        print(f"| {mode} | {huge:.2f} | {touch:.3f} ({touch / base:.2f}x) | {populate:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
