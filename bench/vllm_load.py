@@ -197,6 +197,11 @@ def main() -> None:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(60)
             log.close()
+            # The daemon's share of weightd's load time: each layout's pack, built on its
+            # first request (later workers of that layout map it).
+            for line in (Path(tmp) / "daemon.log").read_text().splitlines():
+                if "built pack" in line:
+                    print(line, flush=True)
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
