@@ -102,6 +102,27 @@ def child(args: argparse.Namespace) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def wait_serving(target: str, daemon: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Poll grpc.health.v1 until SERVING (tests.conftest's needs pytest, not in .venv-vllm)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if daemon.poll() is not None:
+                raise RuntimeError(f"daemon exited with {daemon.returncode}:\n{log.read_text()}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"daemon not serving within {timeout} s:\n{log.read_text()}")
+
+
 def run_one(args: argparse.Namespace, directory: Path, target: str, tp: int, loader: str) -> dict:
     cmd = [
         sys.executable,
@@ -167,7 +188,6 @@ def main() -> None:
         child(args)
         return
     from bench.ckpt import BENCH_CONFIG, write_checkpoint
-    from tests.conftest import wait_serving
 
     with tempfile.TemporaryDirectory(prefix="weightd-vllm-bench-") as tmp:
         directory = write_checkpoint(
@@ -197,6 +217,11 @@ def main() -> None:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(60)
             log.close()
+            # The daemon's share of weightd's load time: each layout's pack, built on its
+            # first request (later workers of that layout map it).
+            for line in (Path(tmp) / "daemon.log").read_text().splitlines():
+                if "built pack" in line:
+                    print(line, flush=True)
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
