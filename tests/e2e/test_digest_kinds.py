@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,8 @@ import torch
 
 from tests.conftest import RunningDaemon, run_daemon
 from tests.models import expected_slice, read_checkpoint
+from tests.old_daemon import without_slice_digest
 from weightd.client import DataLossError, InvalidArgumentError, WeightClient
-from weightd.client.fetchwire import FETCH_METHOD
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
@@ -117,43 +116,10 @@ def test_unknown_kind_is_invalid_argument(daemon: RunningDaemon) -> None:
     assert "slice_digest 'md5'" in (err.value.details() or "")
 
 
-class _OldDaemon:
-    """A real gRPC server in front of the daemon that forgets ``slice_digest``.
-
-    That is all an old daemon does differently with a new client's request (it does
-    not know field 7 and ignores it); the daemon then streams what it streams for an
-    old client's request: SHA-256 digests, no kind named.
-    """
-
-    def __init__(self, target: str, sock: Path) -> None:
-        self.channel = grpc.insecure_channel(target)
-        upstream = self.channel.unary_stream(FETCH_METHOD)
-        self.requests: list[pb.FetchRequest] = []
-
-        def fetch(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            request = pb.FetchRequest.FromString(raw)
-            self.requests.append(pb.FetchRequest.FromString(raw))
-            request.ClearField("slice_digest")
-            yield from upstream(request.SerializeToString(), timeout=60)
-
-        handler = grpc.method_handlers_generic_handler(
-            "weightd.v1.Weights", {"Fetch": grpc.unary_stream_rpc_method_handler(fetch)}
-        )
-        self.server = grpc.server(futures.ThreadPoolExecutor(2))
-        self.server.add_generic_rpc_handlers((handler,))
-        self.target = f"unix://{sock}"
-        self.server.add_insecure_port(self.target)
-        self.server.start()
-
-    def close(self) -> None:
-        self.server.stop(None)
-        self.channel.close()
-
-
 def test_new_client_accepts_sha256_from_an_old_daemon(
     daemon: RunningDaemon, transformers_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    old = _OldDaemon(daemon.target, tmp_path / "old.sock")
+    old = without_slice_digest(daemon.target, tmp_path / "old.sock")
     try:
         with WeightClient(old.target, timeout=60) as client:
             state = client.fetch(0, WORLD, transport="grpc")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -24,8 +23,8 @@ import torch
 
 from tests.conftest import RunningDaemon, run_daemon
 from tests.models import build_model, read_checkpoint
+from tests.old_daemon import without_vocab_pad
 from weightd.client import InvalidArgumentError, Layout, VocabPadUnsupportedError, WeightClient
-from weightd.client.fetchwire import FETCH_METHOD
 from weightd.client.local import LocalConnection, local_stats
 from weightd.client.transports import side_socket_path
 from weightd.v1 import local_pb2 as lpb
@@ -150,42 +149,10 @@ def test_an_empty_slice_has_a_header_a_digest_and_no_bytes(daemon: RunningDaemon
     )
 
 
-class _OldDaemon:
-    """A real gRPC server in front of the daemon that forgets ``Layout.vocab_pad``.
-
-    That is all a daemon from before the field does with a new client's request: it
-    does not know field 8, plans equal blocks and names no padding on its stream.
-    """
-
-    def __init__(self, target: str, sock: Path) -> None:
-        self.channel = grpc.insecure_channel(target)
-        upstream = self.channel.unary_stream(FETCH_METHOD)
-        self.requests: list[pb.FetchRequest] = []
-
-        def fetch(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            request = pb.FetchRequest.FromString(raw)
-            self.requests.append(pb.FetchRequest.FromString(raw))
-            request.layout.ClearField("vocab_pad")
-            yield from upstream(request.SerializeToString(), timeout=60)
-
-        handler = grpc.method_handlers_generic_handler(
-            "weightd.v1.Weights", {"Fetch": grpc.unary_stream_rpc_method_handler(fetch)}
-        )
-        self.server = grpc.server(futures.ThreadPoolExecutor(2))
-        self.server.add_generic_rpc_handlers((handler,))
-        self.target = f"unix://{sock}"
-        self.server.add_insecure_port(self.target)
-        self.server.start()
-
-    def close(self) -> None:
-        self.server.stop(None)
-        self.channel.close()
-
-
 def test_new_client_refuses_an_old_daemons_equal_blocks(
     daemon: RunningDaemon, model_dir: Path, tmp_path: Path
 ) -> None:
-    old = _OldDaemon(daemon.target, tmp_path / "old.sock")
+    old = without_vocab_pad(daemon.target, tmp_path / "old.sock")
     try:
         with WeightClient(old.target, timeout=60) as client:
             with pytest.raises(VocabPadUnsupportedError, match=r"predates Layout\.vocab_pad"):

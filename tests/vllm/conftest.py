@@ -14,15 +14,14 @@ import json
 import os
 import subprocess
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from tests.conftest import RunningDaemon, run_daemon
 from tests.models import build_model
+from tests.old_daemon import FieldForgettingProxy, without_vocab_pad
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("WEIGHTD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -91,57 +90,11 @@ def daemon(
         yield d
 
 
-class OldDaemon:
-    """A real gRPC server in front of the daemon that forgets ``Layout.vocab_pad``.
-
-    That is what a daemon from before the field does with the loader's request: it
-    plans equal vocabulary blocks and names no padding on its stream. DescribeModel
-    passes through unchanged; there is no side socket next to it, so the loader's
-    ``transport="auto"`` uses gRPC.
-    """
-
-    def __init__(self, target: str, sock: Path) -> None:
-        from weightd.v1 import weightd_pb2 as pb
-
-        self.channel = grpc.insecure_channel(target)
-        fetch_up = self.channel.unary_stream("/weightd.v1.Weights/Fetch")
-        describe_up = self.channel.unary_unary("/weightd.v1.Weights/DescribeModel")
-        #: vocab_pad of every Fetch the loader sent through it.
-        self.asked: list[int] = []
-
-        def fetch(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            request = pb.FetchRequest.FromString(raw)
-            self.asked.append(request.layout.vocab_pad)
-            request.layout.ClearField("vocab_pad")
-            yield from fetch_up(request.SerializeToString(), timeout=120)
-
-        def describe(raw: bytes, context: grpc.ServicerContext) -> bytes:
-            reply: bytes = describe_up(raw, timeout=60)
-            return reply
-
-        handler = grpc.method_handlers_generic_handler(
-            "weightd.v1.Weights",
-            {
-                "Fetch": grpc.unary_stream_rpc_method_handler(fetch),
-                "DescribeModel": grpc.unary_unary_rpc_method_handler(describe),
-            },
-        )
-        self.server = grpc.server(futures.ThreadPoolExecutor(4))
-        self.server.add_generic_rpc_handlers((handler,))
-        self.target = f"unix://{sock}"
-        self.server.add_insecure_port(self.target)
-        self.server.start()
-
-    def close(self) -> None:
-        self.server.stop(None)
-        self.channel.close()
-
-
 @pytest.fixture(scope="session")
 def old_daemon(
     daemon: RunningDaemon, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OldDaemon]:
-    old = OldDaemon(daemon.target, tmp_path_factory.mktemp("old-daemon") / "old.sock")
+) -> Iterator[FieldForgettingProxy]:
+    old = without_vocab_pad(daemon.target, tmp_path_factory.mktemp("old-daemon") / "old.sock")
     try:
         yield old
     finally:
@@ -156,7 +109,7 @@ def engine(
     vllm_python: Path,
     checkpoints: dict[str, Path],
     daemon: RunningDaemon,
-    old_daemon: OldDaemon,
+    old_daemon: FieldForgettingProxy,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[[str, int], EngineResult]:
     """``engine(model, tp)``: both loaders' results for that engine, run once and cached."""
