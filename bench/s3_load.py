@@ -86,10 +86,8 @@ def _metric(url: str, name: str) -> float:
 
 
 def run_weightd(endpoint: str, work: Path, extra: list[str]) -> tuple[float, int]:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     from tests.conftest import listening_address
+    from tests.health import wait_serving
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -123,18 +121,7 @@ def run_weightd(endpoint: str, work: Path, extra: list[str]) -> tuple[float, int
             if proc.poll() is not None:
                 raise RuntimeError(log.read_text())
             time.sleep(0.01)
-        with grpc.insecure_channel(f"unix://{sock}") as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(log.read_text())
-                try:
-                    r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.02)
+        wait_serving(f"unix://{sock}", proc, log, timeout=3600, poll=0.02)
         seconds = time.monotonic() - start
         url = listening_address(log.read_text(), "metrics")
         assert url is not None

@@ -102,27 +102,6 @@ def child(args: argparse.Namespace) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def wait_serving(target: str, daemon: subprocess.Popen, log: Path, timeout: float) -> None:
-    """Poll grpc.health.v1 until SERVING (tests.conftest's needs pytest, not in .venv-vllm)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if daemon.poll() is not None:
-                raise RuntimeError(f"daemon exited with {daemon.returncode}:\n{log.read_text()}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError(f"daemon not serving within {timeout} s:\n{log.read_text()}")
-
-
 def run_one(args: argparse.Namespace, directory: Path, target: str, tp: int, loader: str) -> dict:
     cmd = [
         sys.executable,
@@ -206,6 +185,8 @@ def main() -> None:
         )
         results = []
         try:
+            from tests.health import wait_serving  # pytest-free: .venv-vllm has none
+
             wait_serving(f"unix://{sock}", daemon, Path(tmp) / "daemon.log", timeout=600)
             for _ in range(args.rounds):
                 for tp in [int(x) for x in args.tp.split(",")]:

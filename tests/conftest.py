@@ -16,7 +16,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.health import wait_serving
 
 
 @dataclass
@@ -48,37 +49,6 @@ def listening_address(log: str, listener: str) -> str | None:
         if m:
             return m.group(1)
     return None
-
-
-def wait_serving(
-    target: str,
-    process: subprocess.Popen[str],
-    log_path: Path,
-    timeout: float = 120,
-    credentials: grpc.ChannelCredentials | None = None,
-) -> None:
-    """Poll grpc.health.v1 until the overall status is SERVING (or the daemon dies)."""
-    deadline = time.monotonic() + timeout
-    channel = (
-        grpc.insecure_channel(target)
-        if credentials is None
-        else grpc.secure_channel(target, credentials)
-    )
-    with channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"daemon exited with {process.returncode}:\n{log_path.read_text()}"
-                )
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise RuntimeError(f"daemon not SERVING after {timeout}s:\n{log_path.read_text()}")
 
 
 def weightd_command(*args: str) -> list[str]:

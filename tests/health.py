@@ -1,0 +1,46 @@
+"""Waiting for a daemon to serve, without pytest: tests and benchmarks share it.
+
+``bench/`` scripts run where pytest may be absent (``bench/vllm_load.py`` runs in
+``.venv-vllm``), so this lives apart from ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def wait_serving(
+    target: str,
+    process: subprocess.Popen[str],
+    log_path: Path,
+    timeout: float = 120,
+    credentials: grpc.ChannelCredentials | None = None,
+    poll: float = 0.1,
+) -> None:
+    """Poll grpc.health.v1 until the overall status is SERVING (or the daemon dies)."""
+    deadline = time.monotonic() + timeout
+    channel = (
+        grpc.insecure_channel(target)
+        if credentials is None
+        else grpc.secure_channel(target, credentials)
+    )
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"daemon exited with {process.returncode}:\n{log_path.read_text()}"
+                )
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(poll)
+    raise RuntimeError(f"daemon not SERVING after {timeout}s:\n{log_path.read_text()}")
