@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from bench.checkpoint import SMOKE, TINYLLAMA, make_checkpoint
+from bench.shmem import can_set_modes, host_mode, host_mode_set
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ["read-everything", "lazy-mmap", "best-local", "runai-streamer", "fastsafetensors"]
@@ -214,6 +215,8 @@ class Case:
     name: str
     target: str = ""
     transport: str = "grpc"
+    #: The host's ``shmem_enabled`` while this case runs ("": leave it as it is).
+    shmem: str = ""
 
     @property
     def is_weightd(self) -> bool:
@@ -230,6 +233,13 @@ class Result:
 
 
 def run_case(case: Case, ckpt: Path, ws: int, cache: str, digest: bool = False) -> Result:
+    if case.shmem:
+        with host_mode_set(case.shmem):
+            return _run_case(case, ckpt, ws, cache, digest)
+    return _run_case(case, ckpt, ws, cache, digest)
+
+
+def _run_case(case: Case, ckpt: Path, ws: int, cache: str, digest: bool) -> Result:
     procs = []
     for rank in range(ws):
         cmd = [sys.executable, "-m", "bench.worker", "--case", case.name, "--ckpt", str(ckpt)]
@@ -330,7 +340,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], rats: list[dict[s
     lines = [
         f"Checkpoint: {meta['checkpoint_bytes'] / 2**30:.2f} GiB bf16, {meta['shards']} shards; "
         f"machine: {meta['machine']}; copy {meta['copy_gbps']:.1f} GB/s, warm read "
-        f"{meta['warm_read_gbps']:.1f} GB/s; eviction {meta['eviction']}.",
+        f"{meta['warm_read_gbps']:.1f} GB/s; eviction {meta['eviction']}; shmem_enabled "
+        f"{meta.get('shmem_enabled', '?')} (a weightd-shm-MODE case ran with the host in MODE).",
         "",
         "| case | TP | cache | median s | min-max s | GB/s (x copy bw) | Σ PSS Δ MB "
         "| Σ private Δ MB | Σ anon Δ MB | max peak RSS MB | Σ read() MB | Σ disk MB |",
@@ -414,7 +425,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-cold", action="store_true", help="skip the cold-cache round")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument(
+        "--shm-modes",
+        default="",
+        help="also run weightd-shm-MODE for each of these shmem_enabled modes (e.g. advise):\n"
+        "a daemon of its own started in that mode, the host set to it around each of its\n"
+        "runs and restored afterwards (root; the host's own mode is the weightd-shm case)",
+    )
     args = p.parse_args(argv)
+    shm_modes = [m for m in args.shm_modes.split(",") if m and m != host_mode()]
+    if shm_modes and not can_set_modes():
+        p.error("--shm-modes needs root and a writable shmem_enabled")
 
     work: Path = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
@@ -456,6 +477,19 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if gpu:
         cases.append(Case("weightd-cuda-ipc", unix.target, "cuda_ipc"))
+    # A daemon per extra shmem mode: it reads the mode at start and builds its packs
+    # in the first round, with the host in that mode (Case.shmem).
+    moded: list[Daemon] = []
+    for mode in shm_modes:
+        with host_mode_set(mode):
+            d = start_daemon(
+                ckpt,
+                f"unix://{work / f'run-{mode}' / 'weightd.sock'}",
+                work / f"daemon-{mode}.log",
+                ["--pack-ttl", "7200"],
+            )
+        moded.append(d)
+        cases.append(Case(f"weightd-shm-{mode}", d.target, "shm", shmem=mode))
     results: list[Result] = []
     first_fetch: dict[int, float] = {}
     try:
@@ -488,8 +522,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(run_case(case, ckpt, ws, "cold"))
                 print(f"cold TP={ws} {case.name}: {results[-1].seconds:.3f}s", flush=True)
     finally:
-        stop_daemon(unix)
-        stop_daemon(tcp)
+        for d in [unix, tcp, *moded]:
+            stop_daemon(d)
 
     rows = summarize(results)
     rats = ratios(rows)
@@ -501,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_gbps": copy_gbps,
         "warm_read_gbps": warm_read_gbps,
         "eviction": "worked (posix_fadvise DONTNEED)" if evicted else "did NOT work: cold = warm",
+        "shmem_enabled": host_mode(),
         "daemon": {
             "cold_start_s": cold_start,
             "cold_verify_s": cold_verify,

@@ -31,33 +31,18 @@ import time
 
 import numpy as np
 
-from weightd.server.packs.hugepages import (
-    SHMEM_ENABLED,
-    advise_and_allocate,
-    allocate_by_advice,
-    parse_mode,
-)
+from weightd.server.packs.hugepages import advise_and_allocate, allocate_by_advice
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.shmem import SHMEM_ENABLED, can_set_modes, host_mode, set_host_mode
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 PAGE = 4096
 
 
-def _mode() -> str:
-    try:
-        with open(SHMEM_ENABLED) as f:
-            return parse_mode(f.read())
-    except OSError:  # no THP in this kernel: 4 KiB pages, as packs/hugepages.py reads it
-        return "never"
-
-
-def _set_mode(mode: str) -> None:
-    with open(SHMEM_ENABLED, "w") as f:
-        f.write(mode)
-
-
 def child(size: int) -> None:
     """Allocate a pack as the daemon would in this mode, then read it as a worker would."""
-    mode = _mode()
+    mode = host_mode()
     fd = os.memfd_create("weightd-bench-pack", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     writer = mmap.mmap(fd, size)
@@ -114,21 +99,21 @@ def main() -> int:
         child(args.size_bytes)
         return 0
     size = int(args.size_gib * 2**30) // (2 << 20) * (2 << 20)  # whole huge pages
-    original = _mode()
+    original = host_mode()
     modes = [m for m in args.modes.split(",") if m] or [original]
-    if modes != [original] and not os.access(SHMEM_ENABLED, os.W_OK):
+    if modes != [original] and not can_set_modes():
         print(f"--modes needs root and a writable {SHMEM_ENABLED}", file=sys.stderr)
         return 2
     rows: dict[str, list[dict[str, float | str]]] = {m: [] for m in modes}
     try:
         for _ in range(args.rounds):
             for mode in modes:  # alternating: the machine's noise falls on every mode
-                if mode != _mode():
-                    _set_mode(mode)
+                if mode != host_mode():
+                    set_host_mode(mode)
                 rows[mode].append(measure(size))
     finally:
-        if _mode() != original:
-            _set_mode(original)
+        if host_mode() != original:
+            set_host_mode(original)
     print(f"{size / 2**30:.2f} GiB pack, {args.rounds} rounds, shmem_enabled was {original}")
     print("| shmem_enabled | huge pages (GiB) | touch s/GiB (median) | populate+touch s/GiB |")
     print("|---|---|---|---|")
