@@ -477,22 +477,22 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if gpu:
         cases.append(Case("weightd-cuda-ipc", unix.target, "cuda_ipc"))
-    # A daemon per extra shmem mode: it reads the mode at start and builds its packs
-    # in the first round, with the host in that mode (Case.shmem).
-    moded: list[Daemon] = []
-    for mode in shm_modes:
-        with host_mode_set(mode):
-            d = start_daemon(
-                ckpt,
-                f"unix://{work / f'run-{mode}' / 'weightd.sock'}",
-                work / f"daemon-{mode}.log",
-                ["--pack-ttl", "7200"],
-            )
-        moded.append(d)
-        cases.append(Case(f"weightd-shm-{mode}", d.target, "shm", shmem=mode))
     results: list[Result] = []
     first_fetch: dict[int, float] = {}
+    moded: list[Daemon] = []
     try:
+        # A daemon per extra shmem mode: it reads the mode at start and builds its packs
+        # in the first round, with the host in that mode (Case.shmem).
+        for mode in shm_modes:
+            with host_mode_set(mode):
+                d = start_daemon(
+                    ckpt,
+                    f"unix://{work / f'run-{mode}' / 'weightd.sock'}",
+                    work / f"daemon-{mode}.log",
+                    ["--pack-ttl", "7200"],
+                )
+            moded.append(d)
+            cases.append(Case(f"weightd-shm-{mode}", d.target, "shm", shmem=mode))
         # A first round per TP size, reported apart ("first"): the first fetch of a
         # layout anchors the slice digests (reads each tensor whole once), and every
         # rank hashes what it got, proving all cases deliver the same bytes.

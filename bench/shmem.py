@@ -12,18 +12,14 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from weightd.server.packs.hugepages import SHMEM_ENABLED, parse_mode
+from weightd.server.packs.hugepages import SHMEM_ENABLED, read_mode
 
 __all__ = ["SHMEM_ENABLED", "can_set_modes", "host_mode", "host_mode_set", "set_host_mode"]
 
 
 def host_mode() -> str:
-    """The current mode; "never" without THP in the kernel, as packs/hugepages.py reads it."""
-    try:
-        with open(SHMEM_ENABLED) as f:
-            return parse_mode(f.read())
-    except OSError:
-        return "never"
+    """The current mode, read again on every call (a benchmark changes it)."""
+    return read_mode(SHMEM_ENABLED)
 
 
 def set_host_mode(mode: str) -> None:

@@ -7,18 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from weightd.server.packs.hugepages import SHMEM_ENABLED, parse_mode
+from weightd.server.packs.hugepages import read_mode
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _mode() -> str:
-    path = Path(SHMEM_ENABLED)
-    return parse_mode(path.read_text()) if path.exists() else "never"
-
-
 def test_shm_pages_bench_measures_the_current_mode_and_leaves_it() -> None:
-    before = _mode()
+    before = read_mode()
     done = subprocess.run(
         [sys.executable, "bench/shm_pages.py", "--size-gib", "0.03", "--rounds", "1"],
         cwd=ROOT,
@@ -30,4 +25,4 @@ def test_shm_pages_bench_measures_the_current_mode_and_leaves_it() -> None:
     [row] = [line for line in done.stdout.splitlines() if line.startswith(f"| {before} |")]
     touch, populate = (float(cell.split()[0]) for cell in row.strip("|").split("|")[2:4])
     assert touch > 0 and populate > 0
-    assert _mode() == before
+    assert read_mode() == before

@@ -11,6 +11,7 @@ from weightd.server.packs.hugepages import (
     advise_and_allocate,
     allocate_by_advice,
     parse_mode,
+    read_mode,
     shmem_mode,
 )
 
@@ -44,3 +45,12 @@ def test_allocation_by_advice_allocates_every_page() -> None:
         advise_and_allocate(writer)  # this kernel may refuse huge pages; never the pages
         writer[:4] = b"abcd"
         assert writer[:4] == b"abcd"
+
+
+def test_read_mode_reads_the_file_again_every_time(tmp_path: Path) -> None:
+    path = tmp_path / "shmem_enabled"
+    assert read_mode(str(path)) == "never"  # absent: no THP in the kernel
+    path.write_text("always within_size [advise] never deny force\n")
+    assert read_mode(str(path)) == "advise"
+    path.write_text("always within_size advise [never] deny force\n")
+    assert read_mode(str(path)) == "never"

@@ -44,14 +44,19 @@ def parse_mode(text: str) -> str:
     return "never"
 
 
-@cache
-def shmem_mode(path: str = SHMEM_ENABLED) -> str:
-    """This kernel's shmem THP mode ("never" when unreadable); read once, logged once."""
+def read_mode(path: str = SHMEM_ENABLED) -> str:
+    """The shmem THP mode as the file says it now ("never" when unreadable: no THP)."""
     try:
         with open(path) as f:
-            mode = parse_mode(f.read())
+            return parse_mode(f.read())
     except OSError:
-        mode = "never"
+        return "never"
+
+
+@cache
+def shmem_mode(path: str = SHMEM_ENABLED) -> str:
+    """This kernel's shmem THP mode, read once (the daemon's packs follow it), logged once."""
+    mode = read_mode(path)
     how = (
         "huge pages by the kernel"
         if mode in BY_ITSELF
