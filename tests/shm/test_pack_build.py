@@ -11,6 +11,7 @@ import pytest
 
 from weightd.server.base.errors import DataIntegrityError
 from weightd.server.packs.build import PACK_ALIGN, PACK_SEALS, build_host_pack
+from weightd.server.packs.hugepages import shmem_mode
 from weightd.server.registry.models import load_model
 
 
@@ -18,7 +19,7 @@ def _open_fds() -> set[int]:
     return {int(n) for n in os.listdir("/proc/self/fd")}
 
 
-@pytest.mark.parametrize("huge_mode", [None, "advise", "never"])
+@pytest.mark.parametrize("huge_mode", [None, "advise", "never", "always"])
 def test_pack_holds_exactly_the_verified_slices(demo_model: Path, huge_mode: str | None) -> None:
     """Whatever the shmem huge-page mode (this kernel's, or allocation by advice forced)."""
     model = load_model(str(demo_model))
@@ -26,6 +27,11 @@ def test_pack_holds_exactly_the_verified_slices(demo_model: Path, huge_mode: str
         plan = model.plan(2, 1)
         pack = build_host_pack(model, plan, "test:tp2:r1", huge_mode=huge_mode)
         try:
+            # What grants tell clients (they populate huge packs by default): "always"
+            # gives huge pages by itself, "advise" through the accepted advice (a kernel
+            # with THP accepts it whatever the host mode), this host's mode otherwise.
+            mode = shmem_mode() if huge_mode is None else huge_mode
+            assert pack.huge is (mode in ("always", "advise", "within_size", "force"))
             assert fcntl.fcntl(pack.fd, fcntl.F_GET_SEALS) == PACK_SEALS
             assert [e.name for e in pack.entries] == [s.name for s in plan.slices]
             for e, s in zip(pack.entries, plan.slices, strict=True):

@@ -76,8 +76,10 @@ class WeightClient:
 
     ``populate``: a shared-memory fetch returns with every page of the rank already
     mapped in this process (``MADV_POPULATE_READ``) instead of faulting pages in as
-    they are first read. Off by default: measured here it costs the same in total
-    (``weightd.client.shm``), and a worker that reads only part of a rank pays less.
+    they are first read. None (the default): exactly when the daemon's pack is in huge
+    pages, where populating takes a fraction of a millisecond per GiB; a pack in
+    4 KiB pages costs the same either way (``weightd.client.shm``), and left lazy, a
+    worker that reads only part of a rank pays less.
     """
 
     #: How the latest fetch was served (also returned by :meth:`fetch_with_info`).
@@ -94,7 +96,7 @@ class WeightClient:
         retry: RetryPolicy | None = None,
         on_tensor: ProgressFn | None = None,
         slice_digest: str | None = None,
-        populate: bool = False,
+        populate: bool | None = None,
     ) -> None:
         kind = preferred_kind() if slice_digest is None else slice_digest
         if kind not in available_kinds():
@@ -118,13 +120,14 @@ class WeightClient:
         opts += options
         self._opts = opts
         self._credentials = credentials
-        self._channel = self._new_channel(target, opts)
+        #: The gRPC channel and its stubs, made by the first call that needs them: a
+        #: same-host fetch (``transport="shm"`` / ``"cuda_ipc"``) never opens one, and
+        #: making a channel costs up to ~4 ms here (see :meth:`_main`).
+        self._grpc: tuple[grpc.Channel, pb_grpc.WeightsStub, RawFetchStub] | None = None
+        self._closed = False
         #: Extra connections for ``fetch(..., streams=N)``: stream i > 0 uses the i-th.
         self._stream_channels: list[tuple[grpc.Channel, RawFetchStub]] = []
         self._stream_lock = threading.Lock()
-        self._stub = pb_grpc.WeightsStub(self._channel)
-        #: Fetch with responses left as wire bytes, parsed without copying the payload.
-        self._fetch_stub = RawFetchStub(self._channel)
         self.target = target
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
@@ -134,6 +137,32 @@ class WeightClient:
         self.retry_stats = RetryStats()
         #: How the latest gRPC fetch went: streams, resumes, bytes sent again.
         self.last_resume: ResumeReport | None = None
+
+    def _main(self) -> tuple[grpc.Channel, pb_grpc.WeightsStub, RawFetchStub]:
+        """The main channel and its stubs, made on first use.
+
+        Why lazily: a shared-memory fetch talks only to the side socket, and creating a
+        gRPC channel in a fresh process took 0.05-3.8 ms (bimodal) measured here, up
+        to a third of a whole shared-memory fetch. After :meth:`close` none is made:
+        gRPC calls raise ``ValueError``, as they did on the closed channel.
+        """
+        with self._stream_lock:
+            if self._grpc is None:
+                if self._closed:
+                    # Not a channel made and closed: stubs on a closed channel crash grpcio.
+                    raise ValueError(f"WeightClient for {self.target} is closed")
+                channel = self._new_channel(self.target, self._opts)
+                # Fetch with responses left as wire bytes, parsed without copying.
+                self._grpc = (channel, pb_grpc.WeightsStub(channel), RawFetchStub(channel))
+            return self._grpc
+
+    @property
+    def _stub(self) -> pb_grpc.WeightsStub:
+        return self._main()[1]
+
+    @property
+    def _fetch_stub(self) -> RawFetchStub:
+        return self._main()[2]
 
     def _new_channel(self, target: str, opts: list[tuple[str, Any]]) -> grpc.Channel:
         if self._credentials is None:
@@ -150,6 +179,8 @@ class WeightClient:
         if i == 0:
             return self._fetch_stub
         with self._stream_lock:
+            if self._closed:
+                raise ValueError(f"WeightClient for {self.target} is closed")
             while len(self._stream_channels) < i:
                 channel = self._new_channel(
                     self.target, [*self._opts, ("grpc.use_local_subchannel_pool", 1)]
@@ -161,8 +192,10 @@ class WeightClient:
         return call_with_retry(fn, self.retry, self.retry_stats)
 
     def close(self) -> None:
-        self._channel.close()
         with self._stream_lock:
+            self._closed = True
+            if self._grpc is not None:
+                self._grpc[0].close()
             for channel, _ in self._stream_channels:
                 channel.close()
             self._stream_channels.clear()

@@ -50,13 +50,14 @@ def negotiated_fetch(
     verify: bool,
     timeout: float | None,
     adapter: str = "",
-    populate: bool = False,
+    populate: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
     """Try the candidate transports in order (see ``transports``); report every failure.
 
     ``adapter``: fetch the rank's pack of that LoRA adapter's current version instead
     of the model's weights (``grpc_fetch`` then streams the adapter). ``populate``: map
-    a shared pack with every page resident (see :func:`.shm.map_host_pack`).
+    a shared pack with every page resident (None: where the pack is in huge pages;
+    see :func:`.shm.map_host_pack`).
     """
     side = side_socket_path(target)
     try:
@@ -121,7 +122,7 @@ def fetch_local(
     verify: bool,
     timeout: float | None,
     adapter: str = "",
-    populate: bool = False,
+    populate: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], PackRef]:
     """One worker's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc"."""
     conn = LocalConnection(path, transport, timeout)
@@ -173,7 +174,7 @@ def attach_local(
     copy: bool,
     verify: bool,
     timeout: float | None,
-    populate: bool = False,
+    populate: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
     """A new lease on the pack ``ref`` names; refused if the daemon restarted since."""
     path = side_socket_path(target)
@@ -204,7 +205,7 @@ def _map(
     device: torch.device,
     copy: bool,
     verify: bool,
-    populate: bool = False,
+    populate: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     if grant.placement == lpb.PLACEMENT_CUDA:
         if fds:

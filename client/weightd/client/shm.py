@@ -22,13 +22,15 @@ Page tables: each 4 KiB page of the mapping costs the worker a page-table entry 
 first time it is touched (~0.25-0.3 s per GiB here, the whole remaining cost of a
 shared-memory fetch). ``populate=True`` asks the kernel to set them all up at once
 (``MADV_POPULATE_READ``, Linux 5.14+; ignored where unsupported) so the fetch returns
-with every page resident; measured here it costs the same as faulting page by page
-(0.27-0.29 s vs 0.23-0.27 s per GiB), so it only moves the cost, and the default
-stays lazy (a worker that reads part of a rank pays for that part). Never
-``MAP_POPULATE``: on this writable private mapping the kernel populates with write
-faults, which copy every page (6.4 s and a private GiB per GiB measured). Huge pages
-would cut the entries 512-fold; they need the daemon's packs in shmem huge pages
-(``packs/hugepages.py``), which this kernel refuses (``shmem_enabled`` = never).
+with every page resident; in 4 KiB pages that costs the same as faulting page by page
+(0.27-0.29 s vs 0.23-0.27 s per GiB measured here), so it only moves the cost, and
+such packs stay lazy by default (a worker that reads part of a rank pays for that
+part). Huge pages cut the entries 512-fold: where the daemon's packs are in shmem
+huge pages (``packs/hugepages.py``; ``shmem_enabled`` not ``never``) the grant says
+so, and the default (``populate=None``) populates: ~0.5 ms for a 0.5 GiB rank here,
+against ~1.5 ms of first-touch faults. Never ``MAP_POPULATE``: on this writable
+private mapping the kernel populates with write faults, which copy every page (6.4 s
+and a private GiB per GiB measured).
 
 The lease lasts while any tensor viewing the mapping lives: a finalizer on the
 mapping closes the side-channel connection when torch releases the last one.
@@ -84,7 +86,7 @@ def pack_table(grant: lpb.PackGrant) -> list[tuple[lpb.PackEntry, torch.dtype, t
         count = 1
         for d in shape:
             count *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if count * itemsize != e.nbytes:
             raise DataLossError(
                 f"pack {grant.pack_id}: tensor {e.name!r} is {e.nbytes} bytes, but "
@@ -121,12 +123,15 @@ def map_host_pack(
     copy: bool,
     verify: bool,
     device: torch.device,
-    want_populate: bool = False,
+    want_populate: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Tensors for the grant's entries. Takes ownership of ``fd`` and of ``conn`` (the lease).
 
-    ``want_populate``: every page resident before returning (see the module's docstring).
+    ``want_populate``: every page resident before returning (see the module's
+    docstring); None: exactly when the grant says the pack is in huge pages.
     """
+    if want_populate is None:
+        want_populate = grant.huge_pages
     try:
         check_sealed(fd, grant.size_bytes, grant.pack_id)
         table = pack_table(grant)
@@ -145,8 +150,9 @@ def map_host_pack(
             if e.nbytes == 0:
                 views[e.name] = torch.empty(shape, dtype=dtype)
                 continue
-            raw = torch.frombuffer(mapping, dtype=torch.uint8, count=e.nbytes, offset=e.offset)
-            views[e.name] = raw.view(dtype).view(shape)
+            count = e.nbytes // dtype.itemsize  # pack_table checked size and alignment
+            raw = torch.frombuffer(mapping, dtype=dtype, count=count, offset=e.offset)
+            views[e.name] = raw.view(shape)
         if verify:
             _verify(mapping, grant.entries, grant.pack_id)
     except BaseException:

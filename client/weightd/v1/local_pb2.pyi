@@ -293,6 +293,7 @@ class PackGrant(_message.Message):
     PINNED_FIELD_NUMBER: _builtins.int
     BUILT_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
+    HUGE_PAGES_FIELD_NUMBER: _builtins.int
     boot_id: _builtins.str
     pack_id: _builtins.int
     model: _builtins.str
@@ -307,6 +308,8 @@ class PackGrant(_message.Message):
     """PLACEMENT_HOST: the daemon registered it as page-locked"""
     built: _builtins.bool
     """this request built the pack (false: it was shared)"""
+    huge_pages: _builtins.bool
+    """PLACEMENT_HOST: allocated in shmem huge pages (where the kernel gives them)"""
     @_builtins.property
     def layout(self) -> _weightd_pb2.Layout: ...
     @_builtins.property
@@ -330,10 +333,11 @@ class PackGrant(_message.Message):
         pinned: _builtins.bool = ...,
         built: _builtins.bool = ...,
         adapter: _weightd_pb2.AdapterInfo | None = ...,
+        huge_pages: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "boot_id", b"boot_id", "built", b"built", "cuda_ipc_handle", b"cuda_ipc_handle", "entries", b"entries", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "boot_id", b"boot_id", "built", b"built", "cuda_ipc_handle", b"cuda_ipc_handle", "entries", b"entries", "gpu_uuid", b"gpu_uuid", "huge_pages", b"huge_pages", "layout", b"layout", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -41,7 +41,7 @@ from ..base.errors import DataIntegrityError, PackMemoryExhausted
 from ..plan.planner import RankPlan
 from ..plan.slices import TensorSlice
 from ..registry.models import LoadedModel
-from .hugepages import advise_and_allocate, allocate_by_advice, shmem_mode
+from .hugepages import advise_and_allocate, allocate_by_advice, huge_by_itself, shmem_mode
 
 #: Every tensor in a pack starts at a multiple of this many bytes.
 PACK_ALIGN: Final = 256
@@ -94,11 +94,22 @@ class HostPack:
     keep their pages, which the kernel frees when the last mapping goes.
     """
 
-    def __init__(self, fd: int, size: int, entries: tuple[PackEntry, ...], label: str) -> None:
+    def __init__(
+        self,
+        fd: int,
+        size: int,
+        entries: tuple[PackEntry, ...],
+        label: str,
+        *,
+        huge: bool = False,
+    ) -> None:
         self.fd = fd
         self.size = size
         self.entries = entries
         self.label = label
+        #: Allocated where the kernel gives shmem huge pages (by itself, or advised);
+        #: grants say so, and clients then populate their mapping by default.
+        self.huge = huge
         self.mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         # numpy exports the mapping read-only and tells us its address (for pinning and
         # host-to-device copies); ctypes would insist on a writable buffer.
@@ -173,7 +184,8 @@ def build_pack(
     sealed bytes were re-hashed against the digests. ``huge_mode``: the shmem THP mode
     to build for (None: this kernel's; see :mod:`.hugepages`).
     """
-    by_advice = allocate_by_advice(shmem_mode() if huge_mode is None else huge_mode)
+    mode = shmem_mode() if huge_mode is None else huge_mode
+    by_advice = allocate_by_advice(mode)
     offsets, size = layout_pack(slices)
     fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     with on_error(lambda: os.close(fd), f"the memfd of pack {label}"):
@@ -188,13 +200,13 @@ def build_pack(
             raise PackMemoryExhausted(
                 f"cannot allocate {size} bytes of shared memory for pack {label}: {exc.strerror}"
             ) from None
-        _fill(slices, fill, offsets, fd, size, label, by_advice=by_advice)
+        advised = _fill(slices, fill, offsets, fd, size, label, by_advice=by_advice)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, PACK_SEALS)
         entries = tuple(
             PackEntry(s.name, s.dtype, s.shape, off, s.nbytes, d, s.split_dim, s.replicated)
             for s, off, d in zip(slices, offsets, digests, strict=True)
         )
-        pack = HostPack(fd, size, entries, label)
+        pack = HostPack(fd, size, entries, label, huge=huge_by_itself(mode) or advised)
     with on_error(pack.close, f"pack {label}"):
         _verify(pack, slices)
     return pack
@@ -209,11 +221,13 @@ def _fill(
     label: str,
     *,
     by_advice: bool = False,
-) -> None:
+) -> bool:
+    """Fill the pack through one writable mapping; whether huge pages were advised."""
     writer = mmap.mmap(fd, size)  # MAP_SHARED, writable: the one writer, unmapped before sealing
+    advised = False
     if by_advice and size:
         try:
-            advise_and_allocate(writer)
+            advised = advise_and_allocate(writer)
         except OSError as exc:
             writer.close()
             raise PackMemoryExhausted(
@@ -237,6 +251,7 @@ def _fill(
             # list(): the first failure raises here, after every started fill has ended
             # (the executor's exit waits), so no thread still writes into the view.
             list(pool.map(one, todo))
+    return advised
 
 
 def _verify(pack: HostPack, slices: Sequence[TensorSlice]) -> None:

@@ -138,8 +138,14 @@ class PackCache(Generic[P]):
         self.builds_total = 0
         self.evictions_total = 0
 
-    def acquire(self, key: Hashable, size: int, info: object, build: Callable[[], P]) -> Lease[P]:
-        """A lease on the pack for ``key``, building it (once, for all askers) when absent."""
+    def acquire(
+        self, key: Hashable, size: int | Callable[[], int], info: object, build: Callable[[], P]
+    ) -> Lease[P]:
+        """A lease on the pack for ``key``, building it (once, for all askers) when absent.
+
+        ``size``: the pack's size, or how to compute it (pure), called only when the
+        pack must be built: a hit, the common case, skips laying the pack out.
+        """
         victims: list[_Slot[P]] = []
         with self._lock:
             if self._closed:
@@ -147,11 +153,12 @@ class PackCache(Generic[P]):
             slot = self._slots.get(key)
             owner = slot is None
             if slot is None:
+                need = size() if callable(size) else size
                 for k in evictions_for(
-                    [s.state() for s in self._slots.values()], self.budget_bytes, size, self.what
+                    [s.state() for s in self._slots.values()], self.budget_bytes, need, self.what
                 ):
                     victims.append(self._slots.pop(k))
-                slot = _Slot(key, self._next_id(), size, Future(), info)
+                slot = _Slot(key, self._next_id(), need, Future(), info)
                 self._slots[key] = slot
                 self.builds_total += 1
                 self.evictions_total += len(victims)

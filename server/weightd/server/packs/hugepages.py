@@ -73,15 +73,23 @@ def allocate_by_advice(mode: str) -> bool:
     return mode == ADVISE
 
 
-def advise_and_allocate(writer: mmap.mmap) -> None:
+def huge_by_itself(mode: str) -> bool:
+    """Whether the kernel gives shmem huge pages in ``mode`` without advice (pure)."""
+    return mode in BY_ITSELF
+
+
+def advise_and_allocate(writer: mmap.mmap) -> bool:
     """Ask for huge pages on ``writer``, then allocate every page of it now.
 
-    The advice is best effort (a kernel without THP refuses it: 4 KiB pages then);
-    the allocation is not: ``OSError`` (ENOMEM, EFAULT) propagates for the caller to
-    report as a shortage.
+    The advice is best effort (a kernel without THP refuses it: 4 KiB pages then, and
+    False is returned); the allocation is not: ``OSError`` (ENOMEM, EFAULT) propagates
+    for the caller to report as a shortage.
     """
+    advised = True
     try:
         writer.madvise(MADV_HUGEPAGE)
     except OSError as exc:
         log.debug("MADV_HUGEPAGE refused (%s); the pack uses 4 KiB pages", exc)
+        advised = False
     writer.madvise(MADV_POPULATE_WRITE)
+    return advised

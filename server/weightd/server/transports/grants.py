@@ -12,6 +12,8 @@ in one place without the caching logic around it.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 from weightd.v1 import local_pb2 as lpb
@@ -49,24 +51,45 @@ class Outcome:
     lease: Held | None = None
 
 
-def _entries(entries: tuple[PackEntry, ...], names: list[str]) -> list[lpb.PackEntry]:
-    chosen = entries
-    if names:
-        by_name = {e.name: e for e in entries}
-        chosen = tuple(by_name[n] for n in names)  # names were checked by the planner
-    return [
-        lpb.PackEntry(
-            name=e.name,
-            dtype=e.dtype,
-            shape=e.shape,
-            offset=e.offset,
-            nbytes=e.nbytes,
-            digest=e.digest,
-            split_dim=e.split_dim,
-            replicated=e.replicated,
-        )
-        for e in chosen
-    ]
+def _entry(e: PackEntry) -> lpb.PackEntry:
+    return lpb.PackEntry(
+        name=e.name,
+        dtype=e.dtype,
+        shape=e.shape,
+        offset=e.offset,
+        nbytes=e.nbytes,
+        digest=e.digest,
+        split_dim=e.split_dim,
+        replicated=e.replicated,
+    )
+
+
+#: Each pack's whole table, as the wire bytes of a ``PackGrant`` holding only its
+#: entries. Why: a pack's table never changes, and building its messages field by
+#: field was the largest part of answering a shared-memory request (~0.27 ms for 84
+#: tensors, measured; merging the cached bytes: ~0.02 ms). Weakly keyed: an evicted
+#: pack's table goes with it.
+_TABLES: weakref.WeakKeyDictionary[HostPack | CudaPack, bytes] = weakref.WeakKeyDictionary()
+_TABLES_LOCK = threading.Lock()
+
+
+def _whole_table(pack: HostPack | CudaPack) -> bytes:
+    with _TABLES_LOCK:
+        table = _TABLES.get(pack)
+    if table is None:
+        table = lpb.PackGrant(entries=[_entry(e) for e in pack.entries]).SerializeToString()
+        with _TABLES_LOCK:
+            _TABLES[pack] = table
+    return table
+
+
+def _add_entries(grant: lpb.PackGrant, pack: HostPack | CudaPack, names: list[str]) -> None:
+    """Append the entries for ``names`` (all, in pack order, when empty) to ``grant``."""
+    if not names:
+        grant.MergeFromString(_whole_table(pack))  # repeated fields append; nothing else set
+        return
+    by_name = {e.name: e for e in pack.entries}
+    grant.entries.extend(_entry(by_name[n]) for n in names)  # names were checked by the planner
 
 
 def wire_layout(layout: Layout) -> pb.Layout:
@@ -96,9 +119,9 @@ def answer(boot_id: str, lease: Held, names: list[str]) -> Outcome:
         layout=wire_layout(info.layout),
         placement=info.placement,
         size_bytes=pack.size,
-        entries=_entries(pack.entries, names),
         built=lease.built,
     )
+    _add_entries(grant, pack, names)
     if info.adapter is not None:
         tag = info.adapter
         grant.adapter.CopyFrom(
@@ -112,6 +135,7 @@ def answer(boot_id: str, lease: Held, names: list[str]) -> Outcome:
         )
     if isinstance(pack, HostPack):
         grant.pinned = pack.pinned
+        grant.huge_pages = pack.huge
         return Outcome(lpb.LocalResponse(grant=grant), [pack.fd], lease)
     grant.cuda_ipc_handle = pack.handle
     grant.gpu_uuid = pack.gpu_uuid

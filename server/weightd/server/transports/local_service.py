@@ -211,7 +211,9 @@ class PackService:
             )
             return pack
 
-        _, size = layout_pack(plan.slices)
+        def size() -> int:
+            return layout_pack(plan.slices)[1]
+
         info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST)
         host = self.host.acquire(key, size, info, build)
         if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):

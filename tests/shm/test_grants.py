@@ -1,0 +1,133 @@
+"""Grants in process: the cached wire table, the huge-page flag, and what the client does with it.
+
+A real sealed pack built from the demo checkpoint, leased from a real ``PackCache``,
+written down by the daemon's :func:`answer` and mapped by the client's
+:func:`map_host_pack`, with nothing in between but the grant message itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightd.client import shm
+from weightd.server.packs.build import HostPack, build_host_pack, layout_pack
+from weightd.server.packs.cache import PackCache
+from weightd.server.registry.models import load_model
+from weightd.server.transports.grants import PackInfo, answer
+from weightd.v1 import local_pb2 as lpb
+
+
+def _expected_entry(e: object) -> lpb.PackEntry:
+    return lpb.PackEntry(
+        name=e.name,  # type: ignore[attr-defined]
+        dtype=e.dtype,  # type: ignore[attr-defined]
+        shape=e.shape,  # type: ignore[attr-defined]
+        offset=e.offset,  # type: ignore[attr-defined]
+        nbytes=e.nbytes,  # type: ignore[attr-defined]
+        digest=e.digest,  # type: ignore[attr-defined]
+        split_dim=e.split_dim,  # type: ignore[attr-defined]
+        replicated=e.replicated,  # type: ignore[attr-defined]
+    )
+
+
+@pytest.fixture(params=["never", "always"])
+def leased(
+    request: pytest.FixtureRequest, demo_model: Path
+) -> Iterator[tuple[PackCache[HostPack], object]]:
+    """A lease on a real pack, built as in a host whose shmem mode is the param."""
+    model = load_model(str(demo_model))
+    ids = itertools.count(1)
+    cache: PackCache[HostPack] = PackCache("host", 1 << 30, 60, lambda: next(ids))
+    plan = model.plan(2, 1)
+    sized: list[int] = []
+
+    def size() -> int:
+        sized.append(1)
+        return layout_pack(plan.slices)[1]
+
+    def build() -> HostPack:
+        return build_host_pack(model, plan, "test:tp2:r1", huge_mode=request.param)
+
+    info = PackInfo("demo", plan.layout, lpb.PLACEMENT_HOST)
+    lease = cache.acquire(("demo", plan.layout), size, info, build)
+    again = cache.acquire(("demo", plan.layout), size, info, build)
+    assert sized == [1]  # laid out for the build only; the hit never computes the size
+    assert again.pack is lease.pack and not again.built
+    again.release()
+    try:
+        yield cache, lease
+    finally:
+        lease.release()
+        cache.close()
+        model.store.close()
+
+
+def test_whole_table_and_named_entries_are_the_packs_table(
+    leased: tuple[PackCache[HostPack], object],
+) -> None:
+    _, lease = leased
+    pack = lease.pack  # type: ignore[attr-defined]
+    want = [_expected_entry(e) for e in pack.entries]
+    for _ in range(2):  # the second answer comes from the cached table
+        grant = answer("boot", lease, []).response.grant  # type: ignore[arg-type]
+        assert list(grant.entries) == want
+        assert grant.size_bytes == pack.size and grant.pack_id == lease.pack_id  # type: ignore[attr-defined]
+        assert grant.huge_pages is pack.huge
+    names = [e.name for e in reversed(pack.entries)][:3]
+    named = answer("boot", lease, names).response.grant  # type: ignore[arg-type]
+    assert [e.name for e in named.entries] == names  # in the order asked, only those
+    assert list(named.entries) == [w for n in names for w in want if w.name == n]
+
+
+class _Conn:
+    """What ``map_host_pack`` needs of the lease's connection: that it can be closed."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("asked", [None, False, True])
+def test_client_populates_by_default_exactly_the_packs_granted_in_huge_pages(
+    leased: tuple[PackCache[HostPack], object],
+    asked: bool | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, lease = leased
+    pack = lease.pack  # type: ignore[attr-defined]
+    grant = answer("boot", lease, []).response.grant  # type: ignore[arg-type]
+    populated: list[int] = []
+    real = shm._populate
+
+    def spy(mapping: object) -> bool:
+        populated.append(1)
+        return real(mapping)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shm, "_populate", spy)
+    conn = _Conn()
+    views = shm.map_host_pack(
+        grant,
+        os.dup(pack.fd),
+        conn,  # type: ignore[arg-type]
+        copy=False,
+        verify=True,  # every slice against the table: the mapping holds the pack's bytes
+        device=torch.device("cpu"),
+        want_populate=asked,
+    )
+    assert populated == ([1] if (pack.huge if asked is None else asked) else [])
+    assert sorted(views) == sorted(e.name for e in pack.entries)
+    for e in pack.entries:
+        got = views[e.name].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        assert got == pack.mapping[e.offset : e.offset + e.nbytes], e.name
+    assert not conn.closed  # the tensors hold the lease
+    views.clear()
+    gc.collect()
+    assert conn.closed  # the last view gone: the lease ends
