@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,30 +18,30 @@ import pytest
 import torch
 
 from weightd.client import shm
-from weightd.server.packs.build import HostPack, build_host_pack, layout_pack
-from weightd.server.packs.cache import PackCache
+from weightd.server.packs.build import HostPack, PackEntry, build_host_pack, layout_pack
+from weightd.server.packs.cache import Lease, PackCache
 from weightd.server.registry.models import load_model
 from weightd.server.transports.grants import PackInfo, answer
 from weightd.v1 import local_pb2 as lpb
 
 
-def _expected_entry(e: object) -> lpb.PackEntry:
+def _expected_entry(e: PackEntry) -> lpb.PackEntry:
     return lpb.PackEntry(
-        name=e.name,  # type: ignore[attr-defined]
-        dtype=e.dtype,  # type: ignore[attr-defined]
-        shape=e.shape,  # type: ignore[attr-defined]
-        offset=e.offset,  # type: ignore[attr-defined]
-        nbytes=e.nbytes,  # type: ignore[attr-defined]
-        digest=e.digest,  # type: ignore[attr-defined]
-        split_dim=e.split_dim,  # type: ignore[attr-defined]
-        replicated=e.replicated,  # type: ignore[attr-defined]
+        name=e.name,
+        dtype=e.dtype,
+        shape=e.shape,
+        offset=e.offset,
+        nbytes=e.nbytes,
+        digest=e.digest,
+        split_dim=e.split_dim,
+        replicated=e.replicated,
     )
 
 
 @pytest.fixture(params=["never", "always"])
 def leased(
     request: pytest.FixtureRequest, demo_model: Path
-) -> Iterator[tuple[PackCache[HostPack], object]]:
+) -> Iterator[tuple[PackCache[HostPack], Lease[HostPack]]]:
     """A lease on a real pack, built as in a host whose shmem mode is the param."""
     model = load_model(str(demo_model))
     ids = itertools.count(1)
@@ -70,18 +71,18 @@ def leased(
 
 
 def test_whole_table_and_named_entries_are_the_packs_table(
-    leased: tuple[PackCache[HostPack], object],
+    leased: tuple[PackCache[HostPack], Lease[HostPack]],
 ) -> None:
     _, lease = leased
-    pack = lease.pack  # type: ignore[attr-defined]
+    pack = lease.pack
     want = [_expected_entry(e) for e in pack.entries]
     for _ in range(2):  # the second answer comes from the cached table
-        grant = answer("boot", lease, []).response.grant  # type: ignore[arg-type]
+        grant = answer("boot", lease, []).response.grant
         assert list(grant.entries) == want
-        assert grant.size_bytes == pack.size and grant.pack_id == lease.pack_id  # type: ignore[attr-defined]
+        assert grant.size_bytes == pack.size and grant.pack_id == lease.pack_id
         assert grant.huge_pages is pack.huge
     names = [e.name for e in reversed(pack.entries)][:3]
-    named = answer("boot", lease, names).response.grant  # type: ignore[arg-type]
+    named = answer("boot", lease, names).response.grant
     assert [e.name for e in named.entries] == names  # in the order asked, only those
     assert list(named.entries) == [w for n in names for w in want if w.name == n]
 
@@ -97,26 +98,26 @@ class _Conn:
 
 @pytest.mark.parametrize("asked", [None, False, True])
 def test_client_populates_by_default_exactly_the_packs_granted_in_huge_pages(
-    leased: tuple[PackCache[HostPack], object],
+    leased: tuple[PackCache[HostPack], Lease[HostPack]],
     asked: bool | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, lease = leased
-    pack = lease.pack  # type: ignore[attr-defined]
-    grant = answer("boot", lease, []).response.grant  # type: ignore[arg-type]
+    pack = lease.pack
+    grant = answer("boot", lease, []).response.grant
     populated: list[int] = []
     real = shm._populate
 
-    def spy(mapping: object) -> bool:
+    def spy(mapping: mmap.mmap) -> bool:
         populated.append(1)
-        return real(mapping)  # type: ignore[arg-type]
+        return real(mapping)
 
     monkeypatch.setattr(shm, "_populate", spy)
     conn = _Conn()
     views = shm.map_host_pack(
         grant,
         os.dup(pack.fd),
-        conn,  # type: ignore[arg-type]
+        conn,
         copy=False,
         verify=True,  # every slice against the table: the mapping holds the pack's bytes
         device=torch.device("cpu"),

@@ -11,7 +11,7 @@ import pytest
 
 from weightd.server.base.errors import DataIntegrityError
 from weightd.server.packs.build import PACK_ALIGN, PACK_SEALS, build_host_pack
-from weightd.server.packs.hugepages import shmem_mode
+from weightd.server.packs.hugepages import SHMEM_ENABLED, shmem_mode
 from weightd.server.registry.models import load_model
 
 
@@ -28,10 +28,12 @@ def test_pack_holds_exactly_the_verified_slices(demo_model: Path, huge_mode: str
         pack = build_host_pack(model, plan, "test:tp2:r1", huge_mode=huge_mode)
         try:
             # What grants tell clients (they populate huge packs by default): "always"
-            # gives huge pages by itself, "advise" through the accepted advice (a kernel
-            # with THP accepts it whatever the host mode), this host's mode otherwise.
+            # gives huge pages by itself, "advise" through the advice, which a kernel
+            # with THP (it has the sysfs file) accepts whatever the host's mode.
             mode = shmem_mode() if huge_mode is None else huge_mode
-            assert pack.huge is (mode in ("always", "advise", "within_size", "force"))
+            thp = os.path.exists(SHMEM_ENABLED)
+            want = mode in ("always", "within_size", "force") or (mode == "advise" and thp)
+            assert pack.huge is want
             assert fcntl.fcntl(pack.fd, fcntl.F_GET_SEALS) == PACK_SEALS
             assert [e.name for e in pack.entries] == [s.name for s in plan.slices]
             for e, s in zip(pack.entries, plan.slices, strict=True):
