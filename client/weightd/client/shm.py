@@ -26,9 +26,12 @@ with every page resident; in 4 KiB pages that costs the same as faulting page by
 (0.27-0.29 s vs 0.23-0.27 s per GiB measured here), so it only moves the cost, and
 such packs stay lazy by default (a worker that reads part of a rank pays for that
 part). Huge pages cut the entries 512-fold: where the daemon's packs are in shmem
-huge pages (``packs/hugepages.py``; ``shmem_enabled`` not ``never``) the grant says
-so, and the default (``populate=None``) populates: ~0.5 ms for a 0.5 GiB rank here,
-against ~1.5 ms of first-touch faults. Never ``MAP_POPULATE``: on this writable
+huge pages (``packs/hugepages.py``: advised, given by the kernel, or collapsed by the
+daemon on a host at ``never``) the grant says so, and the default
+(``populate=None``) populates: ~0.5 ms for a 0.5 GiB rank here, against ~1.5 ms of
+first-touch faults. The mapping is made at a 2 MiB boundary
+(``weightd.common.hugemap``), without which the kernel maps even a huge page 4 KiB at
+a time. Never ``MAP_POPULATE``: on this writable
 private mapping the kernel populates with write faults, which copy every page (6.4 s
 and a private GiB per GiB measured).
 
@@ -39,6 +42,7 @@ mapping closes the side-channel connection when torch releases the last one.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import mmap
@@ -49,6 +53,7 @@ from collections.abc import Iterable
 import torch
 
 from weightd.common.digests import slice_digest
+from weightd.common.hugemap import madvise, map_aligned
 from weightd.v1 import local_pb2 as lpb
 
 from .dtypes import torch_dtype
@@ -61,15 +66,15 @@ REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
-def _populate(mapping: mmap.mmap) -> bool:
+def _populate(mapping: ctypes.Array[ctypes.c_char]) -> bool:
     """Make every page of ``mapping`` resident with read faults in the kernel, at once.
 
     Read faults, so a private mapping keeps sharing the pack's pages (nothing is
     copied). False where the kernel does not know the advice (nothing is changed).
     """
     try:
-        mapping.madvise(MADV_POPULATE_READ)
-    except (OSError, ValueError):
+        madvise(mapping, MADV_POPULATE_READ)
+    except OSError:
         return False
     return True
 
@@ -109,6 +114,8 @@ def check_sealed(fd: int, expected_size: int, pack_id: int) -> None:
             f"writing (seals {seals:#x}); refusing to map memory someone could change"
         )
     size = os.fstat(fd).st_size
+    if expected_size <= 0:
+        raise DataLossError(f"pack {pack_id}: the grant says the pack holds {expected_size} bytes")
     if size != expected_size:
         raise DataLossError(
             f"pack {pack_id}: memfd holds {size} bytes, the grant says {expected_size}"
@@ -135,7 +142,9 @@ def map_host_pack(
     try:
         check_sealed(fd, grant.size_bytes, grant.pack_id)
         table = pack_table(grant)
-        mapping = mmap.mmap(fd, grant.size_bytes, access=mmap.ACCESS_COPY)
+        # At a 2 MiB boundary, so a pack in huge pages is mapped huge even on a host
+        # whose kernel would not align it by itself (shmem_enabled=never, collapsed packs).
+        mapping = map_aligned(fd, grant.size_bytes, shared=False)
         if want_populate and not copy and device.type == "cpu":
             _populate(mapping)
     except BaseException:
@@ -169,7 +178,9 @@ def map_host_pack(
     return out
 
 
-def _verify(mapping: mmap.mmap, entries: Iterable[lpb.PackEntry], pack_id: int) -> None:
+def _verify(
+    mapping: ctypes.Array[ctypes.c_char], entries: Iterable[lpb.PackEntry], pack_id: int
+) -> None:
     with memoryview(mapping) as view:
         for e in entries:
             h = hashlib.sha256()

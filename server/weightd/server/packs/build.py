@@ -23,6 +23,7 @@ to disturb, and per-rank packs give each CUDA IPC export its own allocation.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import mmap
@@ -35,13 +36,21 @@ from typing import Final
 import numpy as np
 
 from weightd.common.digests import slice_digest
+from weightd.common.hugemap import map_aligned
 
-from ..base.cleanup import closing, on_error
+from ..base.cleanup import on_error
 from ..base.errors import DataIntegrityError, PackMemoryExhausted
 from ..plan.planner import RankPlan
 from ..plan.slices import TensorSlice
 from ..registry.models import LoadedModel
-from .hugepages import advise_and_allocate, allocate_by_advice, huge_by_itself, shmem_mode
+from .hugepages import (
+    advise_and_allocate,
+    allocate_by_advice,
+    collapse,
+    collapse_on_request,
+    huge_by_itself,
+    shmem_mode,
+)
 
 #: Every tensor in a pack starts at a multiple of this many bytes.
 PACK_ALIGN: Final = 256
@@ -185,31 +194,46 @@ def build_pack(
     to build for (None: this kernel's; see :mod:`.hugepages`).
     """
     mode = shmem_mode() if huge_mode is None else huge_mode
-    by_advice = allocate_by_advice(mode)
     offsets, size = layout_pack(slices)
     fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     with on_error(lambda: os.close(fd), f"the memfd of pack {label}"):
         try:
-            # Size it (a file-size limit refuses that: EFBIG) and allocate every page now:
-            # a shortage is an error here, not SIGBUS or the OOM killer on first touch
-            # (PITFALLS: /dev/shm and shmem fill up silently).
-            os.ftruncate(fd, size)
-            if not by_advice:  # else through the advised writer mapping, in _fill
-                os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)  # a file-size limit refuses this: EFBIG
         except OSError as exc:
-            raise PackMemoryExhausted(
-                f"cannot allocate {size} bytes of shared memory for pack {label}: {exc.strerror}"
-            ) from None
-        advised = _fill(slices, fill, offsets, fd, size, label, by_advice=by_advice)
+            raise _exhausted(size, label, exc) from None
+        huge = _fill(slices, fill, offsets, fd, size, label, mode=mode)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, PACK_SEALS)
         entries = tuple(
             PackEntry(s.name, s.dtype, s.shape, off, s.nbytes, d, s.split_dim, s.replicated)
             for s, off, d in zip(slices, offsets, digests, strict=True)
         )
-        pack = HostPack(fd, size, entries, label, huge=huge_by_itself(mode) or advised)
+        pack = HostPack(fd, size, entries, label, huge=huge)
     with on_error(pack.close, f"pack {label}"):
         _verify(pack, slices)
     return pack
+
+
+def _exhausted(size: int, label: str, exc: OSError) -> PackMemoryExhausted:
+    return PackMemoryExhausted(
+        f"cannot allocate {size} bytes of shared memory for pack {label}: {exc.strerror}"
+    )
+
+
+def _allocate(writer: ctypes.Array[ctypes.c_char], fd: int, size: int, mode: str) -> bool:
+    """Allocate every page of the pack now; whether it is (mostly) in huge pages.
+
+    Now, not on first touch: a shortage is then an error here, not SIGBUS or the OOM
+    killer later (PITFALLS: /dev/shm and shmem fill up silently). How depends on the
+    shmem THP mode (:mod:`.hugepages`): through the advised writer (``advise``), by
+    collapsing the empty pack first (``never``), or by ``posix_fallocate`` alone.
+    """
+    if allocate_by_advice(mode):
+        return advise_and_allocate(writer)
+    collapsed = 0
+    if collapse_on_request(mode):
+        collapsed = collapse(fd, writer, min(_BUILD_THREADS, os.cpu_count() or 1))
+    os.posix_fallocate(fd, 0, size)  # what was not collapsed (or everything)
+    return huge_by_itself(mode) or collapsed * 2 >= size
 
 
 def _fill(
@@ -220,25 +244,25 @@ def _fill(
     size: int,
     label: str,
     *,
-    by_advice: bool = False,
+    mode: str,
 ) -> bool:
-    """Fill the pack through one writable mapping; whether huge pages were advised."""
-    writer = mmap.mmap(fd, size)  # MAP_SHARED, writable: the one writer, unmapped before sealing
-    advised = False
-    if by_advice and size:
-        try:
-            advised = advise_and_allocate(writer)
-        except OSError as exc:
-            writer.close()
-            raise PackMemoryExhausted(
-                f"cannot allocate {size} bytes of shared memory for pack {label}: {exc.strerror}"
-            ) from None
-    # A fill that fails (a shard changed under us: DATA_LOSS) must surface as itself,
-    # not as the BufferError of unmapping while its frames still hold views of the map.
+    """Allocate and fill the pack through one writable mapping; whether it is huge.
+
+    The writer is mapped at a 2 MiB boundary (``weightd.common.hugemap``): collapsing
+    needs that, and writing a huge page through it then costs one fault, not 512. It
+    is unmapped when its last view goes, at the latest when this returns (sealing
+    would fail with EBUSY while it is mapped). A fill that fails (a shard changed
+    under us: DATA_LOSS) surfaces as itself; the mapping then goes with its traceback.
+    """
+    try:
+        writer = map_aligned(fd, size, shared=True)  # the one writer, unmapped before sealing
+        huge = _allocate(writer, fd, size, mode)
+    except OSError as exc:
+        raise _exhausted(size, label, exc) from None
     # Slices fill disjoint ranges, on several threads: the reads release the GIL and the
     # first touch of each fresh shmem page (a page fault, ~2 us per 4 KiB here) is then
     # paid on every core instead of one.
-    with closing(writer.close, f"the writer mapping of pack {label}"), memoryview(writer) as view:
+    with memoryview(writer).cast("B") as view:
         todo = [(s, off) for s, off in zip(slices, offsets, strict=True) if s.nbytes]
 
         def one(item: tuple[TensorSlice, int]) -> None:
@@ -251,7 +275,7 @@ def _fill(
             # list(): the first failure raises here, after every started fill has ended
             # (the executor's exit waits), so no thread still writes into the view.
             list(pool.map(one, todo))
-    return advised
+    return huge
 
 
 def _verify(pack: HostPack, slices: Sequence[TensorSlice]) -> None:

@@ -15,12 +15,13 @@ Linux only (``mincore`` and ``mmap`` through ``ctypes`` on libc).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 from typing import Final
 
 import numpy as np
+
+from weightd.common.libc import libc
 
 #: Bytes mapped per ``mincore`` call; its vector is WINDOW_BYTES / page size bytes.
 WINDOW_BYTES: Final = 1 << 30
@@ -33,35 +34,11 @@ class ResidencyUnavailable(OSError):
     """``mincore`` cannot be asked (not Linux, or libc lacks it); metrics skip the series."""
 
 
-def _libc() -> ctypes.CDLL:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        raise ResidencyUnavailable("libc not found")
-    lib = ctypes.CDLL(name, use_errno=True)
-    lib.mmap.restype = ctypes.c_void_p
-    lib.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    lib.munmap.restype = ctypes.c_int
-    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    lib.mincore.restype = ctypes.c_int
-    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return lib
-
-
-_LIBC: ctypes.CDLL | None = None
-
-
 def _lib() -> ctypes.CDLL:
-    global _LIBC  # noqa: PLW0603 - one lazily loaded handle on libc for the process
-    if _LIBC is None:
-        _LIBC = _libc()
-    return _LIBC
+    try:
+        return libc()
+    except (OSError, AttributeError) as exc:
+        raise ResidencyUnavailable(f"libc's mmap/mincore are unavailable: {exc}") from None
 
 
 def pages_for(length: int, page_bytes: int = PAGE_BYTES) -> int:
