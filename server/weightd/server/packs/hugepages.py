@@ -80,6 +80,8 @@ def shmem_mode(path: str = SHMEM_ENABLED) -> str:
         if mode in BY_ITSELF
         else "huge pages by advice"
         if mode == ADVISE
+        else "huge pages by collapse"
+        if mode in COLLAPSE
         else "4 KiB pages"
     )
     log.info("rank packs: shmem_enabled=%s: %s", mode, how)
