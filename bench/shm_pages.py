@@ -5,9 +5,10 @@ reads it; with 4 KiB pages that is all that is left of a shared-memory fetch
 (docs/grpc-throughput.md). Packs are memfds, so huge pages for them are shmem THP,
 governed by ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``, a host-wide
 setting. This benchmark allocates a pack-sized memfd the way ``packs/build.py`` does
-for each mode (``packs/hugepages.py``: fallocate, or advice plus
-``MADV_POPULATE_WRITE`` under ``advise``), maps it as the client maps packs
-(``MAP_PRIVATE``, read only) in a fresh child process, and times reading one byte of
+for each mode (``packs/hugepages.allocate``: fallocate, advice plus
+``MADV_POPULATE_WRITE`` under ``advise``, a collapse into huge pages first under
+``never``), maps it as the client maps packs (``MAP_PRIVATE``, 2 MiB-aligned) in a
+fresh child process, and times reading one byte of
 every page, lazily and after ``MADV_POPULATE_READ``.
 
 ``--modes never,advise`` compares the modes in one run, alternating: it sets the
@@ -31,7 +32,8 @@ import time
 
 import numpy as np
 
-from weightd.server.packs.hugepages import advise_and_allocate, allocate_by_advice
+from weightd.common.hugemap import madvise, map_aligned
+from weightd.server.packs.hugepages import allocate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.shmem import SHMEM_ENABLED, can_set_modes, host_mode, set_host_mode
@@ -45,15 +47,11 @@ def child(size: int) -> None:
     mode = host_mode()
     fd = os.memfd_create("weightd-bench-pack", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
-    writer = mmap.mmap(fd, size)
-    if allocate_by_advice(mode):
-        advise_and_allocate(writer)
-    else:
-        os.posix_fallocate(fd, 0, size)
+    writer = map_aligned(fd, size, shared=True)  # as packs/build.py fills a pack
+    allocate(writer, fd, size, mode, 4)
     pages = np.frombuffer(writer, dtype=np.uint8)
     pages[::PAGE] = 1
-    del pages
-    writer.close()
+    del pages, writer
     huge_kb = 0
     with open("/proc/meminfo") as f:
         for line in f:
@@ -61,16 +59,15 @@ def child(size: int) -> None:
                 huge_kb = int(line.split()[1])
     out = {"mode": mode, "shmem_huge_gib": huge_kb / 2**20}
     for how in ("touch", "populate"):
-        reader = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # as client/shm.py maps
+        reader = map_aligned(fd, size, shared=False)  # as client/shm.py maps
         view = np.frombuffer(reader, dtype=np.uint8)
         started = time.perf_counter()
         if how == "populate":
-            reader.madvise(MADV_POPULATE_READ)
+            madvise(reader, MADV_POPULATE_READ)
         total = int(view[::PAGE].sum())
         out[how] = (time.perf_counter() - started) / (size / 2**30)
         assert total == size // PAGE
-        del view
-        reader.close()
+        del view, reader
     os.close(fd)
     print(json.dumps(out), flush=True)
 

@@ -23,7 +23,6 @@ to disturb, and per-rank packs give each CUDA IPC export its own allocation.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import mmap
@@ -43,14 +42,7 @@ from ..base.errors import DataIntegrityError, PackMemoryExhausted
 from ..plan.planner import RankPlan
 from ..plan.slices import TensorSlice
 from ..registry.models import LoadedModel
-from .hugepages import (
-    advise_and_allocate,
-    allocate_by_advice,
-    collapse,
-    collapse_on_request,
-    huge_by_itself,
-    shmem_mode,
-)
+from .hugepages import allocate, shmem_mode
 
 #: Every tensor in a pack starts at a multiple of this many bytes.
 PACK_ALIGN: Final = 256
@@ -219,23 +211,6 @@ def _exhausted(size: int, label: str, exc: OSError) -> PackMemoryExhausted:
     )
 
 
-def _allocate(writer: ctypes.Array[ctypes.c_char], fd: int, size: int, mode: str) -> bool:
-    """Allocate every page of the pack now; whether it is (mostly) in huge pages.
-
-    Now, not on first touch: a shortage is then an error here, not SIGBUS or the OOM
-    killer later (PITFALLS: /dev/shm and shmem fill up silently). How depends on the
-    shmem THP mode (:mod:`.hugepages`): through the advised writer (``advise``), by
-    collapsing the empty pack first (``never``), or by ``posix_fallocate`` alone.
-    """
-    if allocate_by_advice(mode):
-        return advise_and_allocate(writer)
-    collapsed = 0
-    if collapse_on_request(mode):
-        collapsed = collapse(fd, writer, min(_BUILD_THREADS, os.cpu_count() or 1))
-    os.posix_fallocate(fd, 0, size)  # what was not collapsed (or everything)
-    return huge_by_itself(mode) or collapsed * 2 >= size
-
-
 def _fill(
     slices: Sequence[TensorSlice],
     fill: FillFn,
@@ -256,7 +231,7 @@ def _fill(
     """
     try:
         writer = map_aligned(fd, size, shared=True)  # the one writer, unmapped before sealing
-        huge = _allocate(writer, fd, size, mode)
+        huge = allocate(writer, fd, size, mode, min(_BUILD_THREADS, os.cpu_count() or 1))
     except OSError as exc:
         raise _exhausted(size, label, exc) from None
     # Slices fill disjoint ranges, on several threads: the reads release the GIL and the

@@ -157,3 +157,20 @@ def advise_and_allocate(writer: ctypes.Array[ctypes.c_char]) -> bool:
         advised = False
     madvise(writer, MADV_POPULATE_WRITE)
     return advised
+
+
+def allocate(
+    writer: ctypes.Array[ctypes.c_char], fd: int, size: int, mode: str, threads: int
+) -> bool:
+    """Allocate every page of the pack behind ``writer`` now; whether it is (mostly) huge.
+
+    Now, not on first touch: a shortage is then an error here, not SIGBUS or the OOM
+    killer later (PITFALLS: /dev/shm and shmem fill up silently). How depends on
+    ``mode``: through the advised writer (``advise``), by collapsing the empty pack
+    first (``never``), or by ``posix_fallocate`` alone. ``OSError`` on a shortage.
+    """
+    if allocate_by_advice(mode):
+        return advise_and_allocate(writer)
+    collapsed = collapse(fd, writer, threads) if collapse_on_request(mode) else 0
+    os.posix_fallocate(fd, 0, size)  # what was not collapsed (or everything)
+    return huge_by_itself(mode) or collapsed * 2 >= size
