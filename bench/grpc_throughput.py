@@ -15,8 +15,13 @@ fresh memory, as in a real worker), one stream at a time. Rows:
                   baseline source (``git archive`` of --baseline-rev: both sides old).
   after-sha256    this working tree, both sides, the client keeping SHA-256 slice
                   digests (``slice_digest="sha256"``: what a client without blake3 gets).
-  after           this working tree, both sides, defaults: BLAKE3 slice digests.
-  after-norehash  ``after`` against a daemon started with ``--no-fetch-rehash``.
+  after           this working tree, both sides, defaults: BLAKE3 slice digests, the
+                  daemon re-hashing only streams that ask (a client asks after a
+                  digest mismatch).
+  after-rehash    ``after`` against a daemon started with ``--fetch-rehash``: every
+                  stream re-hashed as it is sent (the default before 2026-12-04;
+                  older commands in docs/ name this daemon's opposite
+                  ``after-norehash``, which is now ``after``).
   after-into      ``after``, received into tensors the caller already holds (every page
                   touched, allocated outside the clock, as an engine's parameters are):
                   ``client.load_into(module, transport="grpc")``, in place. No fresh
@@ -66,7 +71,7 @@ ROWS = [
     "before",
     "after-sha256",
     "after",
-    "after-norehash",
+    "after-rehash",
     "after-into",
     "streams-2",
     "streams-4",
@@ -355,16 +360,16 @@ def main() -> None:
             if any(r in rows for r in new_rows):
                 servers["new"] = start_weightd(directory, work / "new", None)
                 procs.append(servers["new"][0])
-            if "after-norehash" in rows:
-                servers["norehash"] = start_weightd(
-                    directory, work / "norehash", None, ["--no-fetch-rehash"]
+            if "after-rehash" in rows:
+                servers["rehash"] = start_weightd(
+                    directory, work / "rehash", None, ["--fetch-rehash"]
                 )
-                procs.append(servers["norehash"][0])
+                procs.append(servers["rehash"][0])
             plan: dict[str, tuple[str, Path | None]] = {
                 "before": ("old", old_src),
                 "after-sha256": ("new", None),
                 "after": ("new", None),
-                "after-norehash": ("norehash", None),
+                "after-rehash": ("rehash", None),
                 "after-into": ("new", None),
                 "streams-2": ("new", None),
                 "streams-4": ("new", None),

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.e2e
 def test_grpc_throughput_bench_runs_every_row_it_can_without_history(tmp_path: Path) -> None:
     # The "before" rows need the baseline commit's history; the others run anywhere.
-    rows = "bare-raw,bare-pb,after-sha256,after,after-norehash,after-into,streams-2"
+    rows = "bare-raw,bare-pb,after-sha256,after,after-rehash,after-into,streams-2"
     done = subprocess.run(
         [
             sys.executable,

@@ -55,6 +55,17 @@ class DataLossError(WeightdError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class DigestMismatchError(DataLossError):
+    """A slice the client received does not hash to the digest the daemon sent.
+
+    Raised by the client's own check. A fetch that meets one asks once more with
+    ``FetchRequest.rehash`` set, so the daemon checks its bytes itself: the error a
+    caller sees is then the daemon's (the file changed: the model is marked broken),
+    or this one again if the daemon's bytes were right and the second copy still
+    arrived wrong.
+    """
+
+
 class ResourceExhaustedError(WeightdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -28,7 +28,13 @@ from weightd.common.digests import SLICE_DIGEST_ALGORITHM, slice_digest
 from weightd.v1 import weightd_pb2 as pb
 
 from .dtypes import torch_dtype
-from .errors import DataLossError, VocabPadUnsupportedError, WeightdError, from_rpc_error
+from .errors import (
+    DataLossError,
+    DigestMismatchError,
+    VocabPadUnsupportedError,
+    WeightdError,
+    from_rpc_error,
+)
 from .fetchwire import WireChunk, WireResponse, from_message, parse_fetch_response
 from .hashers import new_hasher
 
@@ -94,7 +100,7 @@ class _Incoming:
             )
         actual = slice_digest(self.hasher, self.kind)
         if actual != digest:
-            raise DataLossError(
+            raise DigestMismatchError(
                 f"tensor {self.name!r}: received bytes hash to {actual}, the daemon sent {digest}"
             )
         return self.tensor
@@ -316,7 +322,11 @@ class RankReceiver:
             return current
         if current.name in self.tensors:
             raise DataLossError(f"tensor {current.name!r} was sent twice")
-        self.tensors[current.name] = current.finish(chunk.digest)
+        try:
+            self.tensors[current.name] = current.finish(chunk.digest)
+        except DigestMismatchError:
+            self.discarded_bytes += current.received  # asked for again (a recheck)
+            raise
         if self.on_tensor is not None:
             self.on_tensor(chunk.index, current.name)
         return None

@@ -3,8 +3,11 @@
 Each attempt asks for the tensors not yet held (``start_index``) and names the content
 they came from (``model_fingerprint``). A daemon that now serves other content answers
 ABORTED: the client then drops what it held and starts again from tensor 0, once per
-attempt, so a rank is never assembled from two versions. What a fetch cost is in
-:class:`ResumeReport`.
+attempt, so a rank is never assembled from two versions. A slice that fails the
+client's digest check is asked for once more with ``rehash`` set: a daemon that does
+not re-hash every stream (its default) then checks the bytes it sends itself, and
+refuses them, marking the model broken, when its file changed under it. What a fetch
+cost is in :class:`ResumeReport`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from weightd.v1 import weightd_pb2 as pb
 
-from .errors import AbortedError, WeightdError
+from .errors import AbortedError, DigestMismatchError
 from .receive import ProgressFn, RankReceiver
 from .retry import RetryPolicy, RetryStats, call_with_retry
 
@@ -29,6 +32,7 @@ class ResumeReport:
     streams: int = 0  # Fetch calls made (1: nothing was cut)
     resumed_at: list[int] = field(default_factory=list)  # start_index of each resume
     restarts: int = 0  # resumes refused because the content changed (ABORTED)
+    rechecks: int = 0  # streams asked again with rehash after a slice failed its digest
     received_bytes: int = 0  # payload bytes that arrived, including any sent twice
     resent_bytes: int = 0  # payload bytes thrown away and sent again
     slice_digest: str = ""  # the kind of digest the (last) stream carried and was checked
@@ -52,11 +56,14 @@ def fetch_resumable(
     receiver = RankReceiver(
         on_tensor, into, asked=request.slice_digest, vocab_pad=request.layout.vocab_pad
     )
+    #: Set after a digest mismatch: every later stream of this fetch asks for a re-hash.
+    rehash = request.rehash
 
     def stream_once() -> None:
         ask = pb.FetchRequest()
         ask.CopyFrom(request)
         ask.start_index = receiver.next_index
+        ask.rehash = rehash
         if receiver.next_index:
             ask.model_fingerprint = receiver.fingerprint
             report.resumed_at.append(receiver.next_index)
@@ -64,14 +71,23 @@ def fetch_resumable(
         receiver.consume(stub.Fetch(ask, timeout=timeout))
 
     def attempt() -> None:
-        try:
-            stream_once()
-        except WeightdError as exc:
-            if not isinstance(exc, AbortedError) or not receiver.next_index:
-                raise
-            receiver.reset()  # the content changed: never mix versions
-            report.restarts += 1
-            stream_once()
+        nonlocal rehash
+        restarted = False
+        while True:  # at most three streams: a recheck and a restart, once each
+            try:
+                stream_once()
+                return
+            except DigestMismatchError:
+                if rehash:
+                    raise  # the daemon checked what it sent: the copy went bad after that
+                rehash = True  # resumes at the tensor that failed; the held ones stay
+                report.rechecks += 1
+            except AbortedError:
+                if restarted or not receiver.next_index:
+                    raise
+                receiver.reset()  # the content changed: never mix versions
+                report.restarts += 1
+                restarted = True
 
     try:
         call_with_retry(attempt, policy, stats, progress=lambda: receiver.next_index)

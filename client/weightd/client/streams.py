@@ -109,6 +109,7 @@ def merge_reports(reports: Sequence[ResumeReport]) -> ResumeReport:
         merged.streams += r.streams
         merged.resumed_at += r.resumed_at
         merged.restarts += r.restarts
+        merged.rechecks += r.rechecks
         merged.received_bytes += r.received_bytes
         merged.resent_bytes += r.resent_bytes
     merged.slice_digest = reports[0].slice_digest if reports else ""

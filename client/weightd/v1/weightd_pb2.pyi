@@ -469,6 +469,7 @@ class FetchRequest(_message.Message):
     START_INDEX_FIELD_NUMBER: _builtins.int
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     SLICE_DIGEST_FIELD_NUMBER: _builtins.int
+    REHASH_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """empty: the daemon's only model"""
     max_chunk_bytes: _builtins.int
@@ -491,6 +492,14 @@ class FetchRequest(_message.Message):
     that predates the field ignores it and sends "sha256:" digests, which a client
     must accept; anything else is INVALID_ARGUMENT.
     """
+    rehash: _builtins.bool
+    """Ask the daemon to hash every slice's bytes again as it sends them and to compare
+    them with the verified digest before sending that digest (what `--fetch-rehash`
+    does for every stream). A client asks after a slice failed its own digest check:
+    the daemon then refuses bytes that no longer match (DATA_LOSS) and marks the model
+    broken. A daemon that predates the field ignores it; it re-hashed every stream by
+    default.
+    """
     @_builtins.property
     def layout(self) -> Global___Layout: ...
     @_builtins.property
@@ -507,10 +516,11 @@ class FetchRequest(_message.Message):
         start_index: _builtins.int = ...,
         model_fingerprint: _builtins.str = ...,
         slice_digest: _builtins.str = ...,
+        rehash: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "max_chunk_bytes", b"max_chunk_bytes", "model", b"model", "model_fingerprint", b"model_fingerprint", "names", b"names", "slice_digest", b"slice_digest", "start_index", b"start_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "max_chunk_bytes", b"max_chunk_bytes", "model", b"model", "model_fingerprint", b"model_fingerprint", "names", b"names", "rehash", b"rehash", "slice_digest", b"slice_digest", "start_index", b"start_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

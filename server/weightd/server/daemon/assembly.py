@@ -72,10 +72,11 @@ class ServeConfig:
     max_concurrent_rpcs: int = 64
     #: Default tensor payload per streamed message.
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    #: ``--fetch-rehash`` (default) / ``--no-fetch-rehash``: hash each slice's bytes
-    #: again as a Fetch sends them and compare with the anchored digest. Off, the
-    #: daemon relies on the held descriptors' ``fstat`` and the client's own check.
-    fetch_rehash: bool = True
+    #: ``--fetch-rehash``: hash each slice's bytes again as every Fetch sends them and
+    #: compare with the anchored digest. Off (the default), only streams whose request
+    #: asks are re-hashed (a client asks after its own digest check failed); the others
+    #: rely on the held descriptors' ``fstat`` and the client's own check.
+    fetch_rehash: bool = False
     #: Seconds in-flight RPCs get to finish after SIGTERM.
     grace_seconds: float = 30.0
     #: Sharding rules files (``--rules``), tried before the built-in tables.

@@ -54,11 +54,12 @@ class WeightsService:
         adapters: Adapters | None = None,
         resumes: Counter | None = None,
         *,
-        rehash: bool = True,
+        rehash: bool = False,
     ) -> None:
         self.registry = registry
         #: ``--fetch-rehash``: hash every slice's bytes again as they are sent and compare
-        #: with the anchor before sending its digest (see :meth:`_stream`).
+        #: with the anchor before sending its digest, for every stream; without it, for
+        #: the streams whose request asks (``FetchRequest.rehash``; see :meth:`_stream`).
         self.rehash = rehash
         self.chunk_bytes = chunk_bytes
         self.adapters = adapters
@@ -183,7 +184,15 @@ class WeightsService:
             yield pb.FetchResponse(
                 model_fingerprint=served, slice_digest=named, vocab_pad=plan.layout.vocab_pad
             )
-            yield from self._stream(model, plan, chunk, context, start, kind)
+            rehash = self.rehash or request.rehash
+            if request.rehash:
+                log.info(
+                    "fetch asks for a re-hash model=%s start_index=%d peer=%s",
+                    model.name,
+                    start,
+                    context.peer(),
+                )
+            yield from self._stream(model, plan, chunk, context, start, kind, rehash)
         except Exception as exc:
             if isinstance(exc, DataIntegrityError) and model is not None:
                 self.registry.mark_broken(model, str(exc))
@@ -203,21 +212,25 @@ class WeightsService:
         context: grpc.ServicerContext,
         start: int = 0,
         kind: str = "sha256",
+        rehash: bool = False,
     ) -> Iterator[EncodedResponse]:
         """The rank's chunks, ``chunk`` payload bytes per message at most, hand-encoded.
 
-        With :attr:`rehash` (the default), each slice's bytes are hashed (``kind``) as
-        they are read, and the piece that completes a slice carries its digest only once
-        those bytes were found to hash to the verified (anchored) digest. Without it the
-        anchored digest is sent as it is: the store still compares each shard's
-        ``fstat`` with the verified one after every read, and the client checks every
-        byte against the digest; what is lost is the daemon noticing, by itself, bytes
-        changed under an unchanged size and mtime (docs/grpc-throughput.md). Each piece
+        With ``rehash``, each slice's bytes are hashed (``kind``) as they are read, and
+        the piece that completes a slice carries its digest only once those bytes were
+        found to hash to the verified (anchored) digest. Without it (the default, unless
+        the request asks) the anchored digest is sent as it is: the store still compares
+        each shard's ``fstat`` with the verified one after every read, and the client
+        checks every byte against the digest. Why that is the default: the re-hash is
+        the daemon's second check of bytes the client checks anyway, and on a stream
+        bound by CPU it cost ~30 % of the throughput (docs/grpc-throughput.md). What is
+        lost is the daemon noticing by itself bytes changed under an unchanged size and
+        mtime; a client whose check fails asks again with ``rehash`` set, so the daemon
+        then finds out and marks the model broken (``RankReceiver``'s callers). Each piece
         is read from the shard straight into the message that carries it, when the
         message is built just before it is yielded (see :mod:`.wire` for why messages
         are not built with protobuf, and why they are written in place).
         """
-        rehash = self.rehash
         pending = EncodedResponse()
         for index, s in enumerate(plan.slices):
             if index < start:
