@@ -76,3 +76,18 @@ def test_streams_merge_in_group_order_and_report_progress() -> None:
     )
     assert got == {"a": "A", "c": "C", "b": "B"}
     assert sorted(calls) == [(0, "a"), (0, "b"), (1, "c")]
+
+
+def test_merged_report_adds_up_every_stream_count() -> None:
+    """One report for a fetch of several streams: a recheck or a restart on any stream
+    shows in the fetch's report (the counts are summed, positions concatenated)."""
+    from weightd.client.resumable import ResumeReport
+    from weightd.client.streams import merge_reports
+
+    a = ResumeReport(streams=2, resumed_at=[3], rechecks=1, received_bytes=100, resent_bytes=10)
+    b = ResumeReport(streams=3, resumed_at=[1, 4], restarts=1, received_bytes=50, resent_bytes=5)
+    a.slice_digest = b.slice_digest = "blake3"
+    got = merge_reports([a, b])
+    assert (got.streams, got.resumed_at, got.restarts, got.rechecks) == (5, [3, 1, 4], 1, 1)
+    assert (got.received_bytes, got.resent_bytes, got.slice_digest) == (150, 15, "blake3")
+    assert merge_reports([]) == ResumeReport()
