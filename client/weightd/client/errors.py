@@ -58,11 +58,12 @@ class DataLossError(WeightdError):
 class DigestMismatchError(DataLossError):
     """A slice the client received does not hash to the digest the daemon sent.
 
-    Raised by the client's own check. A fetch that meets one asks once more with
-    ``FetchRequest.rehash`` set, so the daemon checks its bytes itself: the error a
-    caller sees is then the daemon's (the file changed: the model is marked broken),
-    or this one again if the daemon's bytes were right and the second copy still
-    arrived wrong.
+    Raised by the client's own check. A gRPC fetch of model weights that meets one
+    asks once more with ``FetchRequest.rehash`` set, so the daemon checks its bytes
+    itself (``weightd.client.resumable``): the error a caller sees is then the
+    daemon's (the file changed: the model is marked broken), or this one again if the
+    daemon's bytes were right and the second copy still arrived wrong. An adapter
+    fetch raises it at once: the daemon digests every adapter slice as it sends it.
     """
 
 
