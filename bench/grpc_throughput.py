@@ -34,7 +34,9 @@ fresh memory, as in a real worker), one stream at a time. Rows:
 A row's value is the median of --repeat runs; the rows alternate inside each repeat so
 drift on this shared machine hits them alike. Besides wall-clock GB/s, the CPU seconds
 the server and the client spent per GB are shown: on a 2-core machine the sum of both
-is what bounds a stream, and CPU time is far less noisy than wall time. Each client
+is what bounds a stream, and CPU time is far less noisy than wall time. "CPU cap" is
+that bound: the cores this process may use divided by both sides' CPU seconds per GB,
+the fastest the row could go here even if the two sides overlapped perfectly. Each client
 run checks it received every tensor (weightd verifies every slice's SHA-256).
 
     .venv/bin/python bench/grpc_throughput.py [--size-mb 400] [--world-size 2] [--repeat 5]
@@ -436,14 +438,23 @@ def report(
     head = f"  {'row':<11}{'GB/s':>8}{'vs ' + ref:>12}"
     head += f"{'vs before':>11}" if base else ""
     head += f"{'server CPU s/GB':>17}{'client CPU s/GB':>17}"
+    head += f"{'CPU cap GB/s':>14}{'cap vs ' + ref:>16}"
     print(head)
+    cores = len(os.sched_getaffinity(0))
     for r in rows:
         gb = nbytes / 1e9
         line = f"  {r:<11}{gbps[r]:>8.3f}{gbps[r] / gbps[ref]:>11.2f}x"
         if base:
             line += f"{gbps[r] / gbps[base]:>10.2f}x"
-        line += f"{med(r, 'server_cpu') / gb:>17.2f}{med(r, 'cpu') / gb:>17.2f}"
+        server, client = med(r, "server_cpu") / gb, med(r, "cpu") / gb
+        cap = cores / (server + client)
+        line += f"{server:>17.2f}{client:>17.2f}{cap:>14.3f}{cap / gbps[ref]:>15.2f}x"
         print(line)
+    print(
+        f"  CPU cap: {cores} cores (this process's) / both sides' CPU s per GB: the fastest a row "
+        "could go here\n  if the two sides overlapped perfectly; a goal above a row's cap "
+        "cannot be met on this machine."
+    )
 
 
 if __name__ == "__main__":
