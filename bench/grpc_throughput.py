@@ -31,6 +31,11 @@ fresh memory, as in a real worker), one stream at a time. Rows:
   old-client      baseline client against the new daemon (compatibility, timed too).
   old-server      new client against the baseline daemon (compatibility, timed too).
 
+``--pin`` gives each side a core of its own (the servers one, the clients another): a
+row then runs at the speed of its busier side, and its CPU cap is 1 / that side's CPU
+seconds per GB, which is what a host where the daemon and the worker do not share
+cores would see.
+
 A row's value is the median of --repeat runs; the rows alternate inside each repeat so
 drift on this shared machine hits them alike. Besides wall-clock GB/s, the CPU seconds
 the server and the client spent per GB are shown: on a 2-core machine the sum of both
@@ -40,7 +45,7 @@ the fastest the row could go here even if the two sides overlapped perfectly. Ea
 run checks it received every tensor (weightd verifies every slice's SHA-256).
 
     .venv/bin/python bench/grpc_throughput.py [--size-mb 400] [--world-size 2] [--repeat 5]
-        [--baseline-rev 2bd4002] [--rows bare-raw,bare-pb,before,after] [--json FILE]
+        [--baseline-rev 2bd4002] [--rows bare-raw,bare-pb,before,after] [--json FILE] [--pin]
 
 --baseline-rev is main before Fetch pieces were read straight into their messages and
 big tensors were populated (bd5332b; 2bd4002 is the one before slice digests were
@@ -98,6 +103,20 @@ def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads) so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of process ``pid`` (and the threads they start later) onto ``cpu``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {cpu})
+
+
+def cpus_of(pid: int) -> list[int]:
+    """Every CPU some thread of process ``pid`` may run on."""
+    cpus: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        cpus |= os.sched_getaffinity(int(task.name))
+    return sorted(cpus)
 
 
 def _env(src: Path | None) -> dict[str, str]:
@@ -186,6 +205,8 @@ def bare_server(sock: str, nbytes: int) -> None:
 
 
 def child(args: argparse.Namespace) -> None:
+    if args.pin_cpu >= 0:
+        pin(os.getpid(), args.pin_cpu)
     import torch
 
     torch.set_num_threads(1)
@@ -235,7 +256,7 @@ def child(args: argparse.Namespace) -> None:
         client.close()
         cpu = (now.ru_utime - started_cpu.ru_utime) + (now.ru_stime - started_cpu.ru_stime)
         out = {"seconds": seconds, "bytes": nbytes, "tensors": tensors, "cpu": cpu}
-        print(json.dumps(out | {"server_cpu": server_cpu}))
+        print(json.dumps(out | {"server_cpu": server_cpu, "cpus": cpus_of(os.getpid())}))
         return
     else:
         import weightd.client
@@ -255,7 +276,8 @@ def child(args: argparse.Namespace) -> None:
         client.close()
     now = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (now.ru_utime - started_cpu.ru_utime) + (now.ru_stime - started_cpu.ru_stime)
-    print(json.dumps({"seconds": seconds, "bytes": nbytes, "tensors": tensors, "cpu": cpu}))
+    out = {"seconds": seconds, "bytes": nbytes, "tensors": tensors, "cpu": cpu}
+    print(json.dumps(out | {"cpus": cpus_of(os.getpid())}))
 
 
 def run_client(
@@ -282,6 +304,8 @@ def run_client(
             str(streams),
             "--server-pid",
             str(server_pid),
+            "--pin-cpu",
+            str(args.pin_cpus[1] if args.pin else -1),
         ],
         capture_output=True,
         text=True,
@@ -294,6 +318,12 @@ def run_client(
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if "server_cpu" not in result:  # the child's own window, where it measured one
         result["server_cpu"] = _cpu_seconds(server_pid) - cpu_before
+    if args.pin:  # every thread of both sides stayed on its own core, to the end
+        sides = {"client": (result["cpus"], args.pin_cpus[1])}
+        sides["server"] = (cpus_of(server_pid), args.pin_cpus[0])
+        for side, (cpus, cpu) in sides.items():
+            if cpus != [cpu]:
+                raise SystemExit(f"{row}: --pin: the {side}'s threads may run on {cpus}, not {cpu}")
     return result
 
 
@@ -326,9 +356,19 @@ def main() -> None:
     p.add_argument("--slice-digest", default="", help=argparse.SUPPRESS)
     p.add_argument("--streams", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--pin-cpu", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="servers on one CPU, clients on another (the first two this process may use): "
+        "a core for each side, as on a host where the daemon and the worker do not share one",
+    )
     p.add_argument("--bare-server", help=argparse.SUPPRESS)
     p.add_argument("--bare-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.pin_cpus = sorted(os.sched_getaffinity(0))[:2]
+    if args.pin and len(args.pin_cpus) < 2:
+        p.error(f"--pin needs two CPUs; this process may use {args.pin_cpus}")
     if args.bare_server:
         bare_server(args.bare_server, args.bare_bytes)
         return
@@ -341,6 +381,13 @@ def main() -> None:
         raise SystemExit(f"unknown rows: {sorted(unknown)}")
     directory = warm_rank_checkpoint(args)
     procs: list[subprocess.Popen[bytes]] = []
+
+    def keep(proc: subprocess.Popen[bytes]) -> None:
+        """A server started: stopped at the end, and on its own core from now with --pin."""
+        procs.append(proc)
+        if args.pin:
+            pin(proc.pid, args.pin_cpus[0])
+
     runs: dict[str, list[dict[str, float]]] = {r: [] for r in rows}
     with tempfile.TemporaryDirectory(prefix="weightd-grpc-bench-") as tmp:
         work = Path(tmp)
@@ -350,7 +397,7 @@ def main() -> None:
             servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
             if any(r in rows for r in ("before", "old-server")):
                 servers["old"] = start_weightd(directory, work / "old", old_src)
-                procs.append(servers["old"][0])
+                keep(servers["old"][0])
             new_rows = (
                 "after",
                 "after-sha256",
@@ -361,12 +408,12 @@ def main() -> None:
             )
             if any(r in rows for r in new_rows):
                 servers["new"] = start_weightd(directory, work / "new", None)
-                procs.append(servers["new"][0])
+                keep(servers["new"][0])
             if "after-rehash" in rows:
                 servers["rehash"] = start_weightd(
                     directory, work / "rehash", None, ["--fetch-rehash"]
                 )
-                procs.append(servers["rehash"][0])
+                keep(servers["rehash"][0])
             plan: dict[str, tuple[str, Path | None]] = {
                 "before": ("old", old_src),
                 "after-sha256": ("new", None),
@@ -389,7 +436,7 @@ def main() -> None:
                 nbytes = args.size_mb * 1_000_000 // args.world_size
             if any(r.startswith("bare") for r in rows):
                 servers["bare"] = start_bare(work / "bare", nbytes)
-                procs.append(servers["bare"][0])
+                keep(servers["bare"][0])
                 plan["bare-raw"] = ("bare", None)
                 plan["bare-pb"] = ("bare", None)
             for row in rows:  # one unmeasured run each: imports, first-touch, caches
@@ -447,14 +494,20 @@ def report(
         if base:
             line += f"{gbps[r] / gbps[base]:>10.2f}x"
         server, client = med(r, "server_cpu") / gb, med(r, "cpu") / gb
-        cap = cores / (server + client)
+        cap = 1 / max(server, client) if args.pin else cores / (server + client)
         line += f"{server:>17.2f}{client:>17.2f}{cap:>14.3f}{cap / gbps[ref]:>15.2f}x"
         print(line)
-    print(
-        f"  CPU cap: {cores} cores (this process's) / both sides' CPU s per GB: the fastest a row "
-        "could go here\n  if the two sides overlapped perfectly; a goal above a row's cap "
-        "cannot be met on this machine."
-    )
+    if args.pin:
+        print(
+            "  CPU cap (--pin: a core for each side): 1 / the busier side's CPU s per GB, the "
+            "fastest a row\n  could go with that side's core always busy."
+        )
+    else:
+        print(
+            f"  CPU cap: {cores} cores (this process's) / both sides' CPU s per GB: the fastest "
+            "a row could go here\n  if the two sides overlapped perfectly; a goal above a "
+            "row's cap cannot be met on this machine."
+        )
 
 
 if __name__ == "__main__":
