@@ -58,6 +58,7 @@ Results and what the profiles showed: docs/grpc-throughput.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -105,18 +106,30 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def pin(pid: int, cpu: int) -> None:
-    """Every thread of process ``pid`` (and the threads they start later) onto ``cpu``."""
+def _threads(pid: int) -> dict[int, set[int]]:
+    """Each live thread of process ``pid`` and the CPUs it may run on (exited ones skipped)."""
+    out: dict[int, set[int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
-        os.sched_setaffinity(int(task.name), {cpu})
+        with contextlib.suppress(ProcessLookupError):
+            out[int(task.name)] = os.sched_getaffinity(int(task.name))
+    return out
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of process ``pid`` (and the threads they start later) onto ``cpu``.
+
+    Repeated until a pass finds none left elsewhere: a thread an unpinned one started
+    meanwhile is caught by the next pass.
+    """
+    while others := [t for t, cpus in _threads(pid).items() if cpus != {cpu}]:
+        for tid in others:
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, {cpu})
 
 
 def cpus_of(pid: int) -> list[int]:
-    """Every CPU some thread of process ``pid`` may run on."""
-    cpus: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        cpus |= os.sched_getaffinity(int(task.name))
-    return sorted(cpus)
+    """Every CPU some live thread of process ``pid`` may run on."""
+    return sorted(set().union(*_threads(pid).values()))
 
 
 def _env(src: Path | None) -> dict[str, str]:
