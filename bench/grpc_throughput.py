@@ -42,7 +42,7 @@ the server and the client spent per GB are shown: on a 2-core machine the sum of
 is what bounds a stream, and CPU time is far less noisy than wall time. "CPU cap" is
 that bound: the cores this process may use divided by both sides' CPU seconds per GB,
 the fastest the row could go here even if the two sides overlapped perfectly. Each client
-run checks it received every tensor (weightd verifies every slice's SHA-256).
+run checks it received every tensor (weightd checks every slice's digest).
 
     .venv/bin/python bench/grpc_throughput.py [--size-mb 400] [--world-size 2] [--repeat 5]
         [--baseline-rev 2bd4002] [--rows bare-raw,bare-pb,before,after] [--json FILE] [--pin]
@@ -119,12 +119,17 @@ def pin(pid: int, cpu: int) -> None:
     """Every thread of process ``pid`` (and the threads they start later) onto ``cpu``.
 
     Repeated until a pass finds none left elsewhere: a thread an unpinned one started
-    meanwhile is caught by the next pass.
+    meanwhile is caught by the next pass (a process that keeps moving its own threads
+    back is refused after 20 passes).
     """
-    while others := [t for t, cpus in _threads(pid).items() if cpus != {cpu}]:
+    for _ in range(20):
+        others = [t for t, cpus in _threads(pid).items() if cpus != {cpu}]
+        if not others:
+            return
         for tid in others:
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(tid, {cpu})
+    raise SystemExit(f"--pin: process {pid} keeps threads off CPU {cpu}")
 
 
 def cpus_of(pid: int) -> list[int]:
