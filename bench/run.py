@@ -6,8 +6,12 @@ One command, one run, peers alternating round by round on the same checkpoint:
     .venv/bin/python -m bench.run --size-gb 0.05 --rounds 1 --world-sizes 2   # smoke
 
 For every case, all ranks start together (one process each, one torch thread each) and
-the time is until the last rank holds its weights, every page of them touched (a lazily
-mapped tensor is not "held" until its pages are in the process). Memory is read from
+the time is until the last rank holds its weights: every page of them in the rank's
+page table (a lazily mapped tensor is not "held" until its pages are in the process).
+A tensor ``/proc/self/pagemap`` shows mapped when the loader returns is held; every
+other tensor has each of its pages read (``--until touched``: every tensor's, mapped or
+not, the definition before 2026-12-04, which adds reading memory that is already in
+place). Memory is read from
 ``/proc/<pid>/smaps_rollup`` after loading (PSS and private bytes, since RSS counts
 shared pages once per process) and I/O from ``/proc/<pid>/io``. Results go to
 ``bench/results/<timestamp>/`` as results.json, results.md and chart.png. No timing is
@@ -240,19 +244,22 @@ class Result:
     ranks: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_case(case: Case, ckpt: Path, ws: int, cache: str, digest: bool = False) -> Result:
+def run_case(
+    case: Case, ckpt: Path, ws: int, cache: str, digest: bool = False, until: str = "resident"
+) -> Result:
     if case.shmem:
         with host_mode_set(case.shmem):
-            return _run_case(case, ckpt, ws, cache, digest)
-    return _run_case(case, ckpt, ws, cache, digest)
+            return _run_case(case, ckpt, ws, cache, digest, until)
+    return _run_case(case, ckpt, ws, cache, digest, until)
 
 
-def _run_case(case: Case, ckpt: Path, ws: int, cache: str, digest: bool) -> Result:
+def _run_case(case: Case, ckpt: Path, ws: int, cache: str, digest: bool, until: str) -> Result:
     procs = []
     for rank in range(ws):
         cmd = [sys.executable, "-m", "bench.worker", "--case", case.name, "--ckpt", str(ckpt)]
         cmd += ["--rank", str(rank), "--world-size", str(ws), "--target", case.target]
-        cmd += ["--transport", case.transport] + (["--digest"] if digest else [])
+        cmd += ["--transport", case.transport, "--until", until]
+        cmd += ["--digest"] if digest else []
         procs.append(
             subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
@@ -303,6 +310,8 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
                 "min_s": min(times),
                 "max_s": max(times),
                 "payload_bytes": payload,
+                # Bytes the kernel showed mapped when the loader returned (not touched).
+                "proven_resident_bytes": sum(x.get("proven_resident_bytes", 0) for x in last),
                 "throughput_gbps": payload / statistics.median(times) / 1e9,
                 "sum_pss_delta": sum(x["mem_after"]["pss"] - x["mem_before"]["pss"] for x in last),
                 "sum_private_delta": sum(
@@ -356,15 +365,25 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], rats: list[dict[s
             else "warm runs timed without an untimed run before each (--no-rewarm)."
         ),
         "",
-        "| case | TP | cache | median s | min-max s | GB/s (x copy bw) | Σ PSS Δ MB "
+        (
+            "Time: until the last rank has every page of its weights in its page table "
+            "(a tensor /proc/self/pagemap shows mapped when the loader returns is not "
+            "touched; the others are, every page; `mapped` is the share shown mapped)."
+            if meta.get("until", "touched") == "resident"
+            else "Time: until the last rank has read one byte of every page of its weights."
+        ),
+        "",
+        "| case | TP | cache | median s | min-max s | GB/s (x copy bw) | mapped | Σ PSS Δ MB "
         "| Σ private Δ MB | Σ anon Δ MB | max peak RSS MB | Σ read() MB | Σ disk MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['case']} | {r['world_size']} | {r['cache']} | {r['median_s']:.3f} | "
             f"{r['min_s']:.3f}-{r['max_s']:.3f} | {r['throughput_gbps']:.2f} "
-            f"({r['throughput_gbps'] / meta['copy_gbps']:.2f}) | {_mb(r['sum_pss_delta'])} | "
+            f"({r['throughput_gbps'] / meta['copy_gbps']:.2f}) | "
+            f"{r.get('proven_resident_bytes', 0) / r['payload_bytes']:.0%} | "
+            f"{_mb(r['sum_pss_delta'])} | "
             f"{_mb(r['sum_private_delta'])} | {_mb(r['sum_anon_delta'])} | "
             f"{_mb(r['max_peak_rss'])} | {_mb(r['sum_rchar'])} | "
             f"{_mb(r['sum_read_bytes'])} |"
@@ -415,7 +434,7 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
         mem.bar(xs, ms, width, label=case)
     mem.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
     mem.set_xticklabels([f"TP={ws} {cache}" for ws, cache in groups])
-    ax.set_ylabel("seconds until every rank\nholds its weights (median)")
+    ax.set_ylabel("seconds until every rank holds\nits weights, every page resident\n(median)")
     ax.set_yscale("log")
     mem.set_ylabel("private (anonymous) memory\nper worker, MB")
     ax.legend(fontsize=7, ncol=2)
@@ -441,6 +460,14 @@ def main(argv: list[str] | None = None) -> int:
         "--no-rewarm",
         action="store_true",
         help="time each warm run without running the case untimed just before it",
+    )
+    p.add_argument(
+        "--until",
+        choices=("resident", "touched"),
+        default="resident",
+        help="resident (default): time until every page is in each rank's page table,\n"
+        "touching only what /proc/self/pagemap does not show mapped; touched: every page\n"
+        "of every tensor read, mapped or not",
     )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument(
@@ -517,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         for ws in args.world_sizes:
             digests: dict[str, list[str]] = {}
             for case in cases:
-                r = run_case(case, ckpt, ws, "first", digest=True)
+                r = run_case(case, ckpt, ws, "first", digest=True, until=args.until)
                 results.append(r)
                 if case.name == "weightd-grpc-unix":
                     first_fetch[ws] = r.seconds
@@ -530,8 +557,9 @@ def main(argv: list[str] | None = None) -> int:
                 order = cases[rnd % len(cases) :] + cases[: rnd % len(cases)]  # alternate
                 for case in order:
                     if not args.no_rewarm:
-                        run_case(case, ckpt, ws, "warm")  # untimed: hot in the guest and host
-                    results.append(run_case(case, ckpt, ws, "warm"))
+                        # untimed: hot in the guest and host
+                        run_case(case, ckpt, ws, "warm", until=args.until)
+                    results.append(run_case(case, ckpt, ws, "warm", until=args.until))
                     print(
                         f"round {rnd} TP={ws} {case.name}: {results[-1].seconds:.3f}s", flush=True
                     )
@@ -539,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             ws = args.world_sizes[0]
             for case in cases:
                 evict(shards)
-                results.append(run_case(case, ckpt, ws, "cold"))
+                results.append(run_case(case, ckpt, ws, "cold", until=args.until))
                 print(f"cold TP={ws} {case.name}: {results[-1].seconds:.3f}s", flush=True)
     finally:
         for d in [unix, tcp, *moded]:
@@ -557,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         "eviction": "worked (posix_fadvise DONTNEED)" if evicted else "did NOT work: cold = warm",
         "shmem_enabled": host_mode(),
         "rewarm": not args.no_rewarm,
+        "until": args.until,
         "daemon": {
             "cold_start_s": cold_start,
             "cold_verify_s": cold_verify,

@@ -52,5 +52,11 @@ def test_bench_smoke_run_produces_table_json_and_chart(tmp_path: Path) -> None:
     ):
         assert (case, "first") in cases
     assert all(r["payload_bytes"] > 0 for r in result["rows"])
+    # Time until every page is resident: what the kernel showed mapped is not touched.
+    assert result["meta"]["until"] == "resident"
+    assert all(0 <= r["proven_resident_bytes"] <= r["payload_bytes"] for r in result["rows"])
+    for r in result["rows"]:
+        if r["case"].startswith("weightd-grpc"):  # received into tensors it wrote: resident
+            assert r["proven_resident_bytes"] == r["payload_bytes"], r
     assert (run / "chart.png").stat().st_size > 1000
     assert "Ratios" in (run / "results.md").read_text()
