@@ -23,25 +23,9 @@ PAGE = 4096
 
 
 def _touch_one(t: torch.Tensor) -> int:
+    """Read one byte of every page of ``t``."""
     flat = t.reshape(-1).view(torch.uint8)
     return int(flat[::PAGE].sum())
-
-
-def touch(state: dict[str, torch.Tensor]) -> int:
-    """Read one byte of every page of every tensor.
-
-    A loader may hand back lazily mapped tensors whose pages are not yet in the
-    process; touching each page makes "holds its weights" mean the same for every case
-    (what the first forward pass or a copy to the GPU would otherwise pay).
-    """
-    total = 0
-    for t in state.values():
-        if t.device.type != "cpu":
-            torch.cuda.synchronize(t.device)  # GPU tensors are resident once the copy ends
-            continue
-        if t.numel():
-            total += _touch_one(t)
-    return total
 
 
 #: ``PAGEMAP_SCAN`` (Linux 6.7, <linux/fs.h>): _IOWR('f', 16, struct pm_scan_arg).
@@ -129,31 +113,27 @@ def settle(state: dict[str, torch.Tensor], until: str) -> tuple[float, int]:
     """Make every page of every tensor resident; the seconds that took, and the bytes
     the kernel already showed resident.
 
-    ``until="touched"`` reads every page (the benchmark's old definition).
-    ``until="resident"`` touches only tensors whose pages are not all in the page
-    table. A tensor proven mapped is resident already, and reading its pages again
+    A tensor is read page by page, unless ``until="resident"`` and the kernel shows all
+    its pages mapped (``until="touched"``: every tensor, the benchmark's old definition).
+    A tensor proven mapped is resident already, and reading its pages again
     measures memory latency, which every case pays when it uses its weights. The
     checks are not counted in the seconds, only the touches are.
     """
-    if until == "touched":
-        started = time.monotonic()
-        touch(state)
-        return time.monotonic() - started, 0
+    check = until == "resident"
     spent, proven = 0.0, 0
     with open("/proc/self/pagemap", "rb", buffering=0) as f:
         for t in state.values():
-            if t.device.type != "cpu":
-                started = time.monotonic()
-                torch.cuda.synchronize(t.device)
-                spent += time.monotonic() - started
-                continue
             nbytes = t.numel() * t.element_size()
-            if not nbytes:
+            cpu = t.device.type == "cpu"
+            if cpu and not nbytes:
                 continue
-            if t.is_contiguous() and mapped(f.fileno(), t.data_ptr(), nbytes):
+            if check and cpu and t.is_contiguous() and mapped(f.fileno(), t.data_ptr(), nbytes):
                 proven += nbytes
                 continue
             started = time.monotonic()
-            _touch_one(t)
+            if not cpu:
+                torch.cuda.synchronize(t.device)  # GPU tensors are resident once the copy ends
+            else:
+                _touch_one(t)
             spent += time.monotonic() - started
     return spent, proven
