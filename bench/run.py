@@ -11,7 +11,11 @@ page table (a lazily mapped tensor is not "held" until its pages are in the proc
 A tensor ``/proc/self/pagemap`` shows mapped when the loader returns is held; every
 other tensor has each of its pages read (``--until touched``: every tensor's, mapped or
 not, the definition before 2026-12-04, which adds reading memory that is already in
-place). Memory is read from
+place). A rank that holds its weights then waits until every rank does, as a TP group
+does at its first collective, before it measures and exits: before 2026-12-05 it went
+on at once, and its reading of smaps and its interpreter's teardown took the cores from
+the ranks still loading (at TP=4 on two cores the last shared-memory rank finished at
+~11 ms instead of ~6.6 ms). Memory is read from
 ``/proc/<pid>/smaps_rollup`` after loading (PSS and private bytes, since RSS counts
 shared pages once per process) and I/O from ``/proc/<pid>/io``. Results go to
 ``bench/results/<timestamp>/`` as results.json, results.md and chart.png. No timing is
@@ -253,6 +257,17 @@ def run_case(
     return _run_case(case, ckpt, ws, cache, digest, until)
 
 
+def _until_line(p: subprocess.Popen[str], word: str) -> str | None:
+    """Read ``p``'s output up to a line ``word`` (None), or what it said before it ended."""
+    assert p.stdout is not None
+    said = []
+    for line in p.stdout:
+        if line.strip() == word:
+            return None
+        said.append(line)  # a peer's library may print while it loads
+    return "".join(said)
+
+
 def _run_case(case: Case, ckpt: Path, ws: int, cache: str, digest: bool, until: str) -> Result:
     procs = []
     for rank in range(ws):
@@ -274,6 +289,17 @@ def _run_case(case: Case, ckpt: Path, ws: int, cache: str, digest: bool, until: 
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
+        p.stdin.flush()
+    for p in procs:  # every rank holds its weights before any measures or exits
+        said = _until_line(p, "done")
+        if said is not None:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate(timeout=60)
+            raise RuntimeError(f"{case.name} ws={ws} failed: {(said + out)[-2000:]}")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("report\n")
         p.stdin.flush()
     ranks = []
     for p in procs:

@@ -165,11 +165,19 @@ def main() -> None:
     loaded = time.monotonic()
     settled, proven = settle(state, args.until)
     done = loaded + settled
+    # A rank that has its weights waits for the others, as a TP group does at its first
+    # collective, before it measures, digests and exits: that work (reading smaps, the
+    # interpreter's teardown) would otherwise take the cores from ranks still loading.
+    print("done", flush=True)
+    if sys.stdin.readline().strip() != "report":
+        sys.exit(2)
+    released = time.monotonic()
     after_mem, after_io = memory(), io()
     result: dict[str, Any] = {
         "started": started,
         "loaded": loaded,  # the loader returned; the rest until done is the touches
         "done": done,
+        "released": released,  # every rank was done: the runner let this one go on
         "until": args.until,
         "proven_resident_bytes": proven,  # shown mapped at "loaded", not touched
         "payload_bytes": sum(t.numel() * t.element_size() for t in state.values()),

@@ -52,6 +52,10 @@ def test_bench_smoke_run_produces_table_json_and_chart(tmp_path: Path) -> None:
     ):
         assert (case, "first") in cases
     assert all(r["payload_bytes"] > 0 for r in result["rows"])
+    # No rank measures or exits (taking cores from ranks still loading) before all are done.
+    for run_ in result["raw"]:
+        ranks = run_["ranks"]
+        assert min(r["released"] for r in ranks) >= max(r["done"] for r in ranks), run_["case"]
     # Time until every page is resident: what the kernel showed mapped is not touched.
     assert result["meta"]["until"] == "resident"
     assert all(0 <= r["proven_resident_bytes"] <= r["payload_bytes"] for r in result["rows"])
