@@ -33,6 +33,7 @@ daemon=$!
 set +m
 daemon_status=0
 reaped=
+napping= # the pid of the current nap's sleep (below)
 
 stop_daemon() {
   if [ -z "$reaped" ]; then
@@ -45,6 +46,7 @@ stop_daemon() {
 finish() {
   local status=$?
   trap - EXIT INT TERM HUP
+  if [ -n "$napping" ]; then kill "$napping" 2>/dev/null || true; fi
   stop_daemon
   rm -rf "$rundir"
   if [ "$status" = 0 ]; then status=$daemon_status; fi
@@ -52,6 +54,18 @@ finish() {
 }
 trap finish EXIT
 trap 'exit 0' INT TERM HUP # then finish: one SIGTERM, the drain, the daemon's exit status
+
+# Waits go through the `wait` builtin on a background sleep, never a foreground `sleep`:
+# bash runs a trapped signal's trap at once when it interrupts `wait`, but while a
+# foreground child runs it only notes a SIGINT and acts on it if the child died of it
+# (bash 5.2 jobs.c, wait_for), so a Ctrl-C that lands just as a foreground `sleep` exits
+# by itself would be dropped.
+nap() {
+  sleep "$1" &
+  napping=$!
+  wait "$napping" || true
+  napping=
+}
 
 # Ready means: the daemon this script started is alive, holds the socket's lock, and
 # reports SERVING there (not some other weightd that answers on the same path).
@@ -63,7 +77,7 @@ for _ in $(seq 240); do
     exit 1
   fi
   if weightd health "$target" >/dev/null 2>&1; then break; fi
-  sleep 0.5
+  nap 0.5
 done
 holder=$(cat "$sock.lock" 2>/dev/null || true)
 if ! kill -0 "$daemon" 2>/dev/null || [ "$holder" != "$daemon" ]; then
@@ -96,9 +110,16 @@ if [ "${1:-}" = "--once" ]; then
   exit 0
 fi
 echo
-echo "weightd is serving the demo checkpoint on $target (Ctrl-C to stop)."
-# Polled, not one long `wait`: a signal that lands just before bash blocks in wait(2)
-# would not run its trap until the daemon exited by itself.
-while kill -0 "$daemon" 2>/dev/null; do sleep 0.5; done
+# A shell started with SIGINT ignored (in the background of another script, under some
+# supervisors) cannot trap it, and Ctrl-C would do nothing: say so, and what does stop it.
+case "$(trap -p INT)" in
+  *"'exit 0'"*) echo "weightd is serving the demo checkpoint on $target (Ctrl-C to stop)." ;;
+  *) echo "weightd is serving the demo checkpoint on $target; this shell ignores SIGINT" \
+    "(it was started that way), so Ctrl-C cannot stop it: kill $$ (SIGTERM) does." ;;
+esac
+# Polled, not one long `wait` on the daemon: a signal that lands just before bash blocks
+# in wait(2) would not run its trap until the daemon exited by itself; here it waits for
+# the current nap at most.
+while kill -0 "$daemon" 2>/dev/null; do nap 0.5; done
 wait "$daemon" || daemon_status=$?
 reaped=1

@@ -116,13 +116,48 @@ def test_demo_refuses_a_socket_another_daemon_holds(
     assert "already serving" in done.stderr or "another daemon (pid" in done.stderr
 
 
-def test_one_ctrl_c_drains_and_exits_zero(short_tmp: Path, demo_cache: Path) -> None:
+def _processes(session: int, out: str) -> str:
+    """The script's session and the daemon as ps shows them: who is still waiting, on what."""
+    daemons = set(re.findall(r" start pid=(\d+) ", out))
+    try:
+        listing = subprocess.run(
+            ["ps", "-e", "-o", "pid=,ppid=,pgid=,sid=,stat=,wchan:24=,args="],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:  # never hide the failure itself
+        return f"\n(no process listing: {exc})"
+    kept = [
+        row
+        for row in listing.splitlines()
+        if len(row.split()) > 3 and (row.split()[3] == str(session) or row.split()[0] in daemons)
+    ]
+    return "\nprocesses (pid ppid pgid sid stat wchan args):\n" + "\n".join(kept)
+
+
+#: Starts bash with SIGINT at the disposition named first: a terminal's job has it at its
+#: default whatever the test runner inherited (a suite started in the background of a
+#: non-interactive shell runs with SIGINT ignored, and bash cannot trap a signal ignored
+#: at entry). ``os.execvp`` keeps a default or ignored disposition.
+LAUNCH = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, getattr(signal, sys.argv[1])); "
+    "os.execvp('bash', ['bash', *sys.argv[2:]])"
+)
+
+
+def _serve_then_signal(tmp: Path, cache: Path, sigint: str, prompt: str, stop: str) -> str:
+    """Runs the demo until it prints ``prompt``, then sends it what ``stop`` names.
+
+    ``stop="killpg-SIGINT"`` is a terminal's Ctrl-C (the whole group); ``"SIGTERM"`` is a
+    ``kill`` of the script alone. Returns the output; the demo must have exited 0.
+    """
     process = subprocess.Popen(
-        ["bash", str(REPO / "deploy" / "demo.sh")],
+        [sys.executable, "-c", LAUNCH, sigint, str(REPO / "deploy" / "demo.sh")],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_env(short_tmp, demo_cache),
+        env=_env(tmp, cache),
         start_new_session=True,  # setsid: its own process group, as a terminal's job
     )
     lines: list[str] = []
@@ -132,15 +167,22 @@ def test_one_ctrl_c_drains_and_exits_zero(short_tmp: Path, demo_cache: Path) -> 
     reader.start()
     try:
         deadline = time.monotonic() + 300
-        while not any("Ctrl-C to stop" in line for line in lines):
+        while not any(prompt in line for line in lines):
             assert process.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "".join(lines)
             time.sleep(0.2)
-        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: the whole group
+        if stop == "killpg-SIGINT":
+            os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: the whole group
+        else:
+            os.kill(process.pid, signal.SIGTERM)
         try:
             status = process.wait(300)
         except subprocess.TimeoutExpired:
-            pytest.fail("still running 300 s after SIGINT:\n" + "".join(lines))
+            pytest.fail(
+                f"still running 300 s after {stop}:\n"
+                + "".join(lines)
+                + _processes(process.pid, "".join(lines))
+            )
         assert status == 0, "".join(lines)
     finally:
         if process.poll() is None:
@@ -153,4 +195,19 @@ def test_one_ctrl_c_drains_and_exits_zero(short_tmp: Path, demo_cache: Path) -> 
     out = "".join(lines)
     assert "exit status=0 aborted=false" in out, out
     assert "again" not in out and "aborting" not in out, out
-    assert not list(short_tmp.glob("weightd-demo.*"))
+    assert not list(tmp.glob("weightd-demo.*"))
+    return out
+
+
+def test_one_ctrl_c_drains_and_exits_zero(short_tmp: Path, demo_cache: Path) -> None:
+    out = _serve_then_signal(short_tmp, demo_cache, "SIG_DFL", "(Ctrl-C to stop)", "killpg-SIGINT")
+    assert "ignores SIGINT" not in out
+
+
+def test_a_shell_that_ignores_sigint_says_so_and_sigterm_stops_it(
+    short_tmp: Path, demo_cache: Path
+) -> None:
+    """Started with SIGINT ignored, the script cannot trap it: it must not promise Ctrl-C."""
+    out = _serve_then_signal(short_tmp, demo_cache, "SIG_IGN", "ignores SIGINT", "SIGTERM")
+    assert "Ctrl-C to stop" not in out
+    assert re.search(r"kill \d+ \(SIGTERM\) does", out), out
