@@ -112,11 +112,12 @@ fi
 echo
 # A shell started with SIGINT ignored (in the background of another script, under some
 # supervisors) cannot trap it, and Ctrl-C would do nothing: say so, and what does stop it.
-case "$(trap -p INT)" in
-  *"'exit 0'"*) echo "weightd is serving the demo checkpoint on $target (Ctrl-C to stop)." ;;
-  *) echo "weightd is serving the demo checkpoint on $target; this shell ignores SIGINT" \
-    "(it was started that way), so Ctrl-C cannot stop it: kill $$ (SIGTERM) does." ;;
-esac
+if [ "$(trap -p INT)" = "trap -- '' SIGINT" ]; then # bash's form for an ignored signal
+  echo "weightd is serving the demo checkpoint on $target; this shell ignores SIGINT" \
+    "(it was started that way), so Ctrl-C cannot stop it: kill $$ (SIGTERM) does."
+else
+  echo "weightd is serving the demo checkpoint on $target (Ctrl-C to stop)."
+fi
 # Polled, not one long `wait` on the daemon: a signal that lands just before bash blocks
 # in wait(2) would not run its trap until the daemon exited by itself; here it waits for
 # the current nap at most.

@@ -128,11 +128,11 @@ def _processes(session: int, out: str) -> str:
         ).stdout
     except (OSError, subprocess.SubprocessError) as exc:  # never hide the failure itself
         return f"\n(no process listing: {exc})"
-    kept = [
-        row
-        for row in listing.splitlines()
-        if len(row.split()) > 3 and (row.split()[3] == str(session) or row.split()[0] in daemons)
-    ]
+    kept = []
+    for row in listing.splitlines():
+        fields = row.split()
+        if len(fields) > 3 and (fields[3] == str(session) or fields[0] in daemons):
+            kept.append(row)
     return "\nprocesses (pid ppid pgid sid stat wchan args):\n" + "\n".join(kept)
 
 
@@ -146,11 +146,13 @@ LAUNCH = (
 )
 
 
-def _serve_then_signal(tmp: Path, cache: Path, sigint: str, prompt: str, stop: str) -> str:
-    """Runs the demo until it prints ``prompt``, then sends it what ``stop`` names.
+def _serve_then_signal(
+    tmp: Path, cache: Path, sigint: str, prompt: str, *, ctrl_c: bool
+) -> tuple[int, str]:
+    """Runs the demo until it prints ``prompt``, then stops it; it must exit 0.
 
-    ``stop="killpg-SIGINT"`` is a terminal's Ctrl-C (the whole group); ``"SIGTERM"`` is a
-    ``kill`` of the script alone. Returns the output; the demo must have exited 0.
+    ``ctrl_c``: SIGINT to the whole group, as a terminal sends it; otherwise one SIGTERM
+    to the script alone, as ``kill`` does. Returns the script's pid and its output.
     """
     process = subprocess.Popen(
         [sys.executable, "-c", LAUNCH, sigint, str(REPO / "deploy" / "demo.sh")],
@@ -171,7 +173,7 @@ def _serve_then_signal(tmp: Path, cache: Path, sigint: str, prompt: str, stop: s
             assert process.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "".join(lines)
             time.sleep(0.2)
-        if stop == "killpg-SIGINT":
+        if ctrl_c:
             os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: the whole group
         else:
             os.kill(process.pid, signal.SIGTERM)
@@ -179,7 +181,7 @@ def _serve_then_signal(tmp: Path, cache: Path, sigint: str, prompt: str, stop: s
             status = process.wait(300)
         except subprocess.TimeoutExpired:
             pytest.fail(
-                f"still running 300 s after {stop}:\n"
+                f"still running 300 s after {'SIGINT' if ctrl_c else 'SIGTERM'}:\n"
                 + "".join(lines)
                 + _processes(process.pid, "".join(lines))
             )
@@ -196,11 +198,11 @@ def _serve_then_signal(tmp: Path, cache: Path, sigint: str, prompt: str, stop: s
     assert "exit status=0 aborted=false" in out, out
     assert "again" not in out and "aborting" not in out, out
     assert not list(tmp.glob("weightd-demo.*"))
-    return out
+    return process.pid, out
 
 
 def test_one_ctrl_c_drains_and_exits_zero(short_tmp: Path, demo_cache: Path) -> None:
-    out = _serve_then_signal(short_tmp, demo_cache, "SIG_DFL", "(Ctrl-C to stop)", "killpg-SIGINT")
+    _, out = _serve_then_signal(short_tmp, demo_cache, "SIG_DFL", "(Ctrl-C to stop)", ctrl_c=True)
     assert "ignores SIGINT" not in out
 
 
@@ -208,6 +210,6 @@ def test_a_shell_that_ignores_sigint_says_so_and_sigterm_stops_it(
     short_tmp: Path, demo_cache: Path
 ) -> None:
     """Started with SIGINT ignored, the script cannot trap it: it must not promise Ctrl-C."""
-    out = _serve_then_signal(short_tmp, demo_cache, "SIG_IGN", "ignores SIGINT", "SIGTERM")
+    pid, out = _serve_then_signal(short_tmp, demo_cache, "SIG_IGN", "ignores SIGINT", ctrl_c=False)
     assert "Ctrl-C to stop" not in out
-    assert re.search(r"kill \d+ \(SIGTERM\) does", out), out
+    assert f"kill {pid} (SIGTERM) does" in out, out  # the script's own pid
