@@ -44,6 +44,12 @@ that bound: the cores this process may use divided by both sides' CPU seconds pe
 the fastest the row could go here even if the two sides overlapped perfectly. Each client
 run checks it received every tensor (weightd checks every slice's digest).
 
+A second table carries over to hosts with more cores: the CPU seconds per GB of each
+side's busiest thread (``/proc/<pid>/task/*/schedstat`` across the run; gRPC's own
+threads, the handler, the receiving Python thread). Where every thread has a core, a
+stream is a pipeline that runs at its slowest stage, so 1 / the busier of the two is the
+"thread cap", and the ratio of two rows' thread caps is what to expect between them there.
+
     .venv/bin/python bench/grpc_throughput.py [--size-mb 400] [--world-size 2] [--repeat 5]
         [--baseline-rev 2bd4002] [--rows bare-raw,bare-pb,before,after] [--json FILE] [--pin]
 
@@ -113,6 +119,28 @@ def _threads(pid: int) -> dict[int, set[int]]:
         with contextlib.suppress(ProcessLookupError):
             out[int(task.name)] = os.sched_getaffinity(int(task.name))
     return out
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds each live thread of process ``pid`` has run so far, with its name.
+
+    From ``schedstat`` (nanoseconds; ``stat``'s clock ticks are 10 ms, a fifth of what
+    one thread spends on a 500 MB run). Threads that exited are not there, which is
+    why only the busiest thread is read from this, never a sum.
+    """
+    out: dict[int, tuple[str, float]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            ns = int((task / "schedstat").read_text().split()[0])
+            out[int(task.name)] = ((task / "comm").read_text().strip(), ns / 1e9)
+    return out
+
+
+def busiest(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> float:
+    """CPU seconds of the thread that ran most between two :func:`thread_cpu` readings."""
+    return max(
+        (s - before.get(tid, (name, 0.0))[1] for tid, (name, s) in after.items()), default=0.0
+    )
 
 
 def pin(pid: int, cpu: int) -> None:
@@ -222,6 +250,16 @@ def bare_server(sock: str, nbytes: int) -> None:
 # --- one client run, in its own process ------------------------------------------------------
 
 
+def busiest_of(
+    threads: tuple[dict[int, tuple[str, float]], dict[int, tuple[str, float]]], server_pid: int
+) -> dict[str, float]:
+    """The busiest client and server thread's CPU seconds since the ``threads`` reading."""
+    return {
+        "client_thread": busiest(threads[0], thread_cpu(os.getpid())),
+        "server_thread": busiest(threads[1], thread_cpu(server_pid)),
+    }
+
+
 def child(args: argparse.Namespace) -> None:
     if args.pin_cpu >= 0:
         pin(os.getpid(), args.pin_cpu)
@@ -244,12 +282,15 @@ def child(args: argparse.Namespace) -> None:
             request_serializer=None,
             response_deserializer=None if raw else pb.FetchResponse.FromString,
         )
+        threads = thread_cpu(os.getpid()), thread_cpu(args.server_pid)
         started_cpu = resource.getrusage(resource.RUSAGE_SELF)
         started = time.perf_counter()
         nbytes = 0
         for msg in call(b"", timeout=600):
             nbytes += len(msg) if raw else sum(len(c.data) for c in msg.chunks)
         seconds = time.perf_counter() - started
+        now = resource.getrusage(resource.RUSAGE_SELF)
+        out_threads = busiest_of(threads, args.server_pid)
         tensors = 0
     elif args.slice_digest == "into":
         from bench.load_into import module_for
@@ -259,6 +300,7 @@ def child(args: argparse.Namespace) -> None:
         want = client.fetch(args.rank, args.world_size, transport="grpc")  # shapes; the check
         spec = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in want.items()}
         module = module_for(spec)  # every parameter allocated and touched, outside the clock
+        threads = thread_cpu(os.getpid()), thread_cpu(args.server_pid)
         started_cpu = resource.getrusage(resource.RUSAGE_SELF)
         server_before = _cpu_seconds(args.server_pid)
         started = time.perf_counter()
@@ -266,6 +308,7 @@ def child(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - started
         now = resource.getrusage(resource.RUSAGE_SELF)
         server_cpu = _cpu_seconds(args.server_pid) - server_before
+        out_threads = busiest_of(threads, args.server_pid)
         got = dict(module.named_parameters())
         if set(got) != set(want) or not all(torch.equal(got[n], want[n]) for n in want):
             raise SystemExit("after-into: the module does not hold the rank's bytes")
@@ -274,7 +317,8 @@ def child(args: argparse.Namespace) -> None:
         client.close()
         cpu = (now.ru_utime - started_cpu.ru_utime) + (now.ru_stime - started_cpu.ru_stime)
         out = {"seconds": seconds, "bytes": nbytes, "tensors": tensors, "cpu": cpu}
-        print(json.dumps(out | {"server_cpu": server_cpu, "cpus": cpus_of(os.getpid())}))
+        out |= {"server_cpu": server_cpu, "cpus": cpus_of(os.getpid())} | out_threads
+        print(json.dumps(out))
         return
     else:
         import weightd.client
@@ -285,17 +329,19 @@ def child(args: argparse.Namespace) -> None:
         client = weightd.client.WeightClient(args.target, timeout=600, **opts)
         client.list_models()  # connected before the clock starts
         more = {"streams": args.streams} if args.streams > 1 else {}
+        threads = thread_cpu(os.getpid()), thread_cpu(args.server_pid)
         started_cpu = resource.getrusage(resource.RUSAGE_SELF)
         started = time.perf_counter()
         state = client.fetch(args.rank, args.world_size, transport="grpc", **more)
         seconds = time.perf_counter() - started
+        now = resource.getrusage(resource.RUSAGE_SELF)
+        out_threads = busiest_of(threads, args.server_pid)  # before close: its threads live
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         tensors = len(state)
         client.close()
-    now = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (now.ru_utime - started_cpu.ru_utime) + (now.ru_stime - started_cpu.ru_stime)
     out = {"seconds": seconds, "bytes": nbytes, "tensors": tensors, "cpu": cpu}
-    print(json.dumps(out | {"cpus": cpus_of(os.getpid())}))
+    print(json.dumps(out | {"cpus": cpus_of(os.getpid())} | out_threads))
 
 
 def run_client(
@@ -525,6 +571,23 @@ def report(
             f"  CPU cap: {cores} cores (this process's) / both sides' CPU s per GB: the fastest "
             "a row could go here\n  if the two sides overlapped perfectly; a goal above a "
             "row's cap cannot be met on this machine."
+        )
+    print(
+        "\nBusiest thread (CPU s per GB of the one thread that ran most, each side), and the "
+        "thread cap:\n1 / the busier of the two, the fastest a row could go on a host where "
+        "every thread\nhas a core of its own (a pipeline runs at its slowest stage):"
+    )
+    print(
+        f"  {'row':<11}{'client s/GB':>13}{'server s/GB':>13}{'thread cap GB/s':>17}"
+        f"{'vs ' + ref + ' cap':>18}"
+    )
+    caps = {}
+    for r in rows:
+        gb = nbytes / 1e9
+        client, server = med(r, "client_thread") / gb, med(r, "server_thread") / gb
+        caps[r] = 1 / max(client, server, 1e-9)
+        print(
+            f"  {r:<11}{client:>13.3f}{server:>13.3f}{caps[r]:>17.2f}{caps[r] / caps[ref]:>17.2f}x"
         )
 
 

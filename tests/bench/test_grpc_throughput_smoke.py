@@ -29,6 +29,13 @@ def test_grpc_throughput_bench_runs_every_row_it_can_without_history(tmp_path: P
     rows = "bare-raw,bare-pb,after-sha256,after,after-rehash,after-into,streams-2"
     table = _table(tmp_path, rows)
     assert "overlapped perfectly" in table  # the two-cores cap, both sides sharing them
+    # Each row's busiest thread on both sides was read, and its thread cap follows.
+    threads = table.split("Busiest thread")[1].splitlines()
+    for row in rows.split(","):
+        line = next(x for x in threads if x.startswith(f"  {row} "))
+        client, server, cap = (float(v) for v in line.split()[1:4])
+        assert client > 0 and server > 0, line
+        assert cap == pytest.approx(1 / max(client, server), rel=0.05, abs=0.01), line
 
 
 @pytest.mark.e2e
