@@ -121,26 +121,23 @@ def _threads(pid: int) -> dict[int, set[int]]:
     return out
 
 
-def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """CPU seconds each live thread of process ``pid`` has run so far, with its name.
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds each live thread of process ``pid`` has run so far, by thread id.
 
     From ``schedstat`` (nanoseconds; ``stat``'s clock ticks are 10 ms, a fifth of what
     one thread spends on a 500 MB run). Threads that exited are not there, which is
     why only the busiest thread is read from this, never a sum.
     """
-    out: dict[int, tuple[str, float]] = {}
+    out: dict[int, float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            ns = int((task / "schedstat").read_text().split()[0])
-            out[int(task.name)] = ((task / "comm").read_text().strip(), ns / 1e9)
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
     return out
 
 
-def busiest(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> float:
+def busiest(before: dict[int, float], after: dict[int, float]) -> float:
     """CPU seconds of the thread that ran most between two :func:`thread_cpu` readings."""
-    return max(
-        (s - before.get(tid, (name, 0.0))[1] for tid, (name, s) in after.items()), default=0.0
-    )
+    return max((s - before.get(tid, 0.0) for tid, s in after.items()), default=0.0)
 
 
 def pin(pid: int, cpu: int) -> None:
@@ -251,7 +248,7 @@ def bare_server(sock: str, nbytes: int) -> None:
 
 
 def busiest_of(
-    threads: tuple[dict[int, tuple[str, float]], dict[int, tuple[str, float]]], server_pid: int
+    threads: tuple[dict[int, float], dict[int, float]], server_pid: int
 ) -> dict[str, float]:
     """The busiest client and server thread's CPU seconds since the ``threads`` reading."""
     return {
@@ -581,14 +578,14 @@ def report(
         f"  {'row':<11}{'client s/GB':>13}{'server s/GB':>13}{'thread cap GB/s':>17}"
         f"{'vs ' + ref + ' cap':>18}"
     )
-    caps = {}
+    busy = {r: (med(r, "client_thread"), med(r, "server_thread")) for r in rows}
+    if not all(min(b) > 0 for b in busy.values()):  # a kernel without per-task schedstat
+        print("  (not shown: this kernel reports no per-thread CPU time in schedstat)")
+        return
     for r in rows:
-        gb = nbytes / 1e9
-        client, server = med(r, "client_thread") / gb, med(r, "server_thread") / gb
-        caps[r] = 1 / max(client, server, 1e-9)
-        print(
-            f"  {r:<11}{client:>13.3f}{server:>13.3f}{caps[r]:>17.2f}{caps[r] / caps[ref]:>17.2f}x"
-        )
+        client, server = (s / (nbytes / 1e9) for s in busy[r])
+        cap, ref_cap = (nbytes / 1e9 / max(busy[x]) for x in (r, ref))
+        print(f"  {r:<11}{client:>13.3f}{server:>13.3f}{cap:>17.2f}{cap / ref_cap:>17.2f}x")
 
 
 if __name__ == "__main__":
