@@ -265,7 +265,6 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     import grpc
 
-    started_cpu = resource.getrusage(resource.RUSAGE_SELF)
     if args.child.startswith("bare"):
         from weightd.v1 import weightd_pb2 as pb
 
