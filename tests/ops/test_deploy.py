@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from weightd.server.config import ServeConfig
 from weightd.server.daemon.sockets import dir_problem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ def test_kubernetes_manifests_validate_against_the_schemas() -> None:
     done = _validate(*MANIFESTS)
     assert done.returncode == 0, done.stdout + done.stderr
     resources = sum(len([d for d in yaml.safe_load_all(p.read_text()) if d]) for p in MANIFESTS)
-    assert resources == 7
+    assert resources == 10
     assert (
         done.stdout.count("passed for resource") + done.stderr.count("passed for resource")
         == resources
@@ -97,10 +98,40 @@ def _daemonset(name: str) -> dict[str, Any]:
     return ds
 
 
+def _settings(name: str, tmp: Path) -> ServeConfig:
+    """The config the DaemonSet's daemon would run with: its ConfigMap's file, its
+    container's ``WEIGHTD_*`` variables and its args, read by the daemon's own loader."""
+    from weightd.server.cli.main import _parser
+    from weightd.server.cli.serve_options import given_flags
+    from weightd.server.config.load import check, load
+    from weightd.server.sources.location import default_model_name
+
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / name).read_text()))
+    pod = _daemonset(name)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    (config_map,) = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"]
+    ]
+    args = container["args"]
+    assert args[0] == "serve"
+    parsed = _parser().parse_args(args)
+    assert Path(parsed.config).parent == Path(mounts["config"])
+    file = tmp / Path(parsed.config).name
+    file.write_text(config_map["data"][file.name])
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    loaded = load(given_flags(parsed), env, str(file))
+    check(loaded, loaded.config.model_names(default_model_name))
+    return loaded.config
+
+
 @pytest.mark.parametrize(
     ("name", "host_ipc"), [("daemonset.yaml", False), ("daemonset-cuda-ipc.yaml", True)]
 )
-def test_daemonset_shape(name: str, host_ipc: bool) -> None:
+def test_daemonset_shape(name: str, host_ipc: bool, tmp_path: Path) -> None:
     pod = _daemonset(name)["spec"]["template"]["spec"]
     assert bool(pod.get("hostIPC")) is host_ipc
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -108,20 +139,26 @@ def test_daemonset_shape(name: str, host_ipc: bool) -> None:
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["models"]["readOnly"] is True
     assert container["resources"]["requests"] and container["resources"]["limits"]
-    args = container["args"]
-    health_port = int(args[args.index("--health-listen") + 1].rsplit(":", 1)[1])
+    config = _settings(name, tmp_path)
+    assert config.local.cuda_ipc is host_ipc
+    assert config.health.listen is not None and config.metrics.listen is not None
+    health_port = int(config.health.listen.rsplit(":", 1)[1])
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == health_port
     # Busy is not dead: liveness asks the service that does not follow capacity.
     assert container["livenessProbe"]["grpc"]["service"] == "weightd.v1.Liveness"
     # TCP listeners bind the pod's own address, never every interface.
-    for flag in ("--health-listen", "--metrics-listen"):
-        assert args[args.index(flag) + 1].startswith("$(POD_IP):"), flag
+    for listen in (config.health.listen, config.metrics.listen):
+        assert listen.startswith("$(POD_IP):"), listen
     (env,) = [e for e in container["env"] if e["name"] == "POD_IP"]
     assert env["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    # The variables that name it come after it (Kubernetes expands only earlier ones).
+    names = [e["name"] for e in container["env"]]
+    assert names.index("POD_IP") < names.index("WEIGHTD_HEALTH_LISTEN")
     # Admin is not in the socket directory the workers share.
-    admin = args[args.index("--admin-listen") + 1]
-    assert not admin.startswith("unix:///run/weightd/")
+    assert config.admin.listen is not None
+    assert not config.admin.listen.startswith("unix:///run/weightd/")
+    assert config.server.grace + 10 <= pod["terminationGracePeriodSeconds"]
 
 
 def test_metrics_are_admitted_only_from_the_monitoring_namespace() -> None:
@@ -136,7 +173,7 @@ def test_metrics_are_admitted_only_from_the_monitoring_namespace() -> None:
     ]
 
 
-def test_s3_daemonset_has_credentials_identity_and_a_cache_volume() -> None:
+def test_s3_daemonset_has_credentials_identity_and_a_cache_volume(tmp_path: Path) -> None:
     docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset-s3.yaml").read_text()))
     (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
     assert "eks.amazonaws.com/role-arn" in account["metadata"]["annotations"]
@@ -145,19 +182,21 @@ def test_s3_daemonset_has_credentials_identity_and_a_cache_volume() -> None:
     (container,) = pod["containers"]
     (ref,) = container["envFrom"]
     assert ref["secretRef"]["optional"] is True  # a workload identity needs no Secret
-    args = container["args"]
-    cache = args[args.index("--cache-dir") + 1]
+    config = _settings("daemonset-s3.yaml", tmp_path)
+    cache = config.cache_dir
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts[cache]]["hostPath"]["path"] == cache  # survives pod restarts
-    assert args[args.index("--model") + 1].split("=", 1)[1].startswith("s3://")
-    assert args[args.index("--manifest") + 1].split("=", 1)[1].startswith("s3://")
+    assert [m.value.startswith("s3://") for m in config.model] == [True]
+    assert [m.value.startswith("s3://") for m in config.trust.manifest] == [True]
     assert not any("SECRET" in str(e.get("value", "")) for e in container.get("env", []))
     assert pod["securityContext"]["runAsNonRoot"] is True
-    health_port = int(args[args.index("--health-listen") + 1].rsplit(":", 1)[1])
+    assert config.health.listen is not None
+    health_port = int(config.health.listen.rsplit(":", 1)[1])
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == health_port
-    assert not args[args.index("--admin-listen") + 1].startswith("unix:///run/weightd/")
+    assert config.admin.listen is not None
+    assert not config.admin.listen.startswith("unix:///run/weightd/")
 
 
 def test_dockerfile_is_multi_stage_and_runs_unprivileged() -> None:
@@ -185,6 +224,13 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     # systemd-analyze exits 0 even for unknown keys; anything it says is a problem.
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
     assert "ExecStart=" in unit.read_text() and "KillSignal=SIGTERM" in unit.read_text()
+    # It serves with the file deploy/ ships, which the daemon's loader accepts.
+    (exec_start,) = [ln for ln in unit.read_text().splitlines() if ln.startswith("ExecStart=")]
+    assert exec_start.endswith("serve --config /etc/weightd/weightd.toml")
+    from weightd.server.config.load import load
+
+    config = load({}, {}, str(DEPLOY / "weightd.toml")).config
+    assert config.listen == "unix:///run/weightd/weightd.sock" and config.log_json
 
 
 @pytest.mark.parametrize("name", ["daemonset.yaml", "daemonset-cuda-ipc.yaml", "daemonset-s3.yaml"])

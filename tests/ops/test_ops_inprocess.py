@@ -26,7 +26,8 @@ from weightd.client import (
     WeightClient,
     tls_credentials,
 )
-from weightd.server.daemon.assembly import Daemon, ServeConfig, create_daemon, load_models
+from weightd.server.config import Named, ServeConfig
+from weightd.server.daemon.assembly import Daemon, create_daemon, load_models
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
@@ -40,15 +41,16 @@ def daemon_in_process(
     registry = CollectorRegistry()
     # The admin socket stays in this test's directory, whatever the worker listens on
     # (by default a TCP daemon's admin socket would go to the machine-wide directory).
-    overrides.setdefault("admin_listen", f"unix://{tmp}/run/admin.sock")
+    overrides.setdefault("admin__listen", f"unix://{tmp}/run/admin.sock")
     config = ServeConfig(
-        models=models,
+        model=tuple(Named(name, source) for name, source in models),
         listen=overrides.pop("listen", f"unix://{tmp}/run/weightd.sock"),
-        **overrides,
     )
+    for path, value in overrides.items():  # section__field, as the settings' dest
+        config.set(path.replace("__", "."), value)
     daemon = create_daemon(config, registry)
     try:
-        load_models(daemon, config.models)
+        load_models(daemon, models)
         yield daemon, registry
     finally:
         daemon.stop(0)
@@ -175,7 +177,7 @@ def _raw_stub(target: str) -> tuple[grpc.Channel, pb_grpc.WeightsStub]:
 
 def test_bounds_answer_resource_exhausted(tmp_path: Path, big_model: Path) -> None:
     with daemon_in_process(
-        tmp_path, [("big", str(big_model))], max_concurrent_rpcs=1, max_workers=4
+        tmp_path, [("big", str(big_model))], server__max_concurrent_rpcs=1, server__max_workers=4
     ) as (daemon, _):
         channel, stub = _raw_stub(daemon.target)
         with channel:
@@ -205,7 +207,9 @@ def test_bounds_answer_resource_exhausted(tmp_path: Path, big_model: Path) -> No
 
 
 def test_stream_time_cap_answers_deadline_exceeded(tmp_path: Path, big_model: Path) -> None:
-    with daemon_in_process(tmp_path, [("big", str(big_model))], max_stream_seconds=1e-6) as (
+    with daemon_in_process(
+        tmp_path, [("big", str(big_model))], server__max_stream_seconds=1e-6
+    ) as (
         daemon,
         reg,
     ):
@@ -225,8 +229,8 @@ def test_tls_only_listener(tmp_path: Path, demo_model: Path, pki: Pki) -> None:
         tmp_path,
         [("llama", str(demo_model))],
         listen="127.0.0.1:0",
-        tls_cert=str(pki.server.cert),
-        tls_key=str(pki.server.key),
+        tls__cert=str(pki.server.cert),
+        tls__key=str(pki.server.key),
     ) as (daemon, _):
         creds = tls_credentials(ca=str(pki.ca))
         with WeightClient(daemon.target, timeout=30, credentials=creds) as client:

@@ -108,26 +108,24 @@ def test_a_matching_key_id_is_not_trust(tmp_path: Path, keys: tuple[Path, Path])
 
 
 def test_serve_manifest_options(tmp_path: Path) -> None:
-    import argparse
-
-    from weightd.server.cli.trust_commands import (
-        UsageError,
-        add_serve_options,
-        serve_verify_options,
-    )
-
-    p = argparse.ArgumentParser()
-    add_serve_options(p)
+    from weightd.server.base.errors import UsageError
+    from weightd.server.cli.main import _parser
+    from weightd.server.cli.serve_options import given_flags
+    from weightd.server.config.build import verify_options
+    from weightd.server.config.load import check, load
 
     def opts(*argv: str, names: tuple[str, ...] = ("a",)) -> VerifyOptions:
-        return serve_verify_options(p.parse_args(list(argv)), list(names), str(tmp_path))
+        args = _parser().parse_args(["serve", "--cache-dir", str(tmp_path), *argv])
+        loaded = load(given_flags(args), {})
+        check(loaded, list(names))
+        return verify_options(loaded.config)
 
     o = opts("--manifest", "/m.json", "--trust-key", "/k.pub")
     assert o.manifest_for("a") == "/m.json" and o.trust_keys == ("/k.pub",)
     assert o.hash_cache_dir == str(tmp_path / "hashes")
     o = opts("--manifest", "b=/b.json", names=("a", "b"))
     assert o.manifest_for("b") == "/b.json" and o.manifest_for("a") is None
-    with pytest.raises(UsageError, match="needs --manifest"):
+    with pytest.raises(UsageError, match="--trust-key: needs a manifest"):
         opts("--trust-key", "/k.pub")
     with pytest.raises(UsageError, match="name the model"):
         opts("--manifest", "/m.json", names=("a", "b"))

@@ -627,6 +627,11 @@ class UsageError(WeightdError):
     code = Code.INVALID_ARGUMENT
 
 
+class ConfigFileError(UsageError):
+    """The ``--config`` file cannot be read, is not TOML, or holds an unknown key or a
+    value of the wrong type (the message names the file and the key)."""
+
+
 class DaemonUnreachable(WeightdError):
     """A client command found no daemon at its target: no socket there, nothing listening,
     a name that does not resolve. Said as such (with what to check), not as gRPC's raw

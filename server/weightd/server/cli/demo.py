@@ -131,10 +131,3 @@ def ensure_demo_checkpoint(cache_dir: str) -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def default_cache_dir(env: dict[str, str]) -> str:
-    if env.get("WEIGHTD_CACHE_DIR"):
-        return env["WEIGHTD_CACHE_DIR"]
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "weightd")

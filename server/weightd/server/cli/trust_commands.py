@@ -1,96 +1,27 @@
-"""The trust commands of the CLI: ``weightd verify``, ``weightd manifest ...``, and the
-``serve`` options that name trust sources. Kept apart from ``cli.py`` so that file
-only registers and dispatches.
+"""The trust commands of the CLI: ``weightd verify`` and ``weightd manifest ...`` (the
+``serve`` settings that name trust sources are in the config). Kept apart from
+``main.py`` so that file only registers and dispatches.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import TYPE_CHECKING, Any, Final
 
 from ..base.errors import CheckpointError, UsageError, WeightdError
 
 if TYPE_CHECKING:  # the verify stack (blake3, cryptography) loads only when used
-    from ..trust.verify import Verification, VerifyOptions
+    from ..trust.verify import Verification
 
 #: Problems printed by ``weightd verify`` before "... and N more" (``--json`` has all).
 MAX_PRINTED_PROBLEMS: Final = 100
 
 
-# --- serve options ---------------------------------------------------------------------
-
-
-def add_serve_options(s: argparse.ArgumentParser) -> None:
-    s.add_argument(
-        "--manifest",
-        action="append",
-        default=[],
-        metavar="[NAME=]FILE",
-        help="trusted manifest a model must match (NAME= when serving several models)",
-    )
-    s.add_argument(
-        "--trust-key",
-        action="append",
-        default=[],
-        metavar="PUBKEY",
-        help="Ed25519 public key (PEM or OpenSSH) a manifest must be signed by (repeatable)",
-    )
-    s.add_argument(
-        "--trust-hf-cache",
-        action="store_true",
-        help="require each model to be a Hugging Face cache snapshot whose blob names match",
-    )
-    s.add_argument(
-        "--reverify", action="store_true", help="hash every shard even if the hash cache has it"
-    )
-    s.add_argument(
-        "--no-hash-cache", action="store_true", help="neither read nor write the hash cache"
-    )
-    s.add_argument("--hash-threads", type=int, default=None, help="shards hashed at once")
-
-
-def _manifest_map(entries: list[str], model_names: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for entry in entries:
-        name, sep, path = entry.partition("=")
-        if not sep or "/" in name or not name:
-            name, path = "", entry
-        if name and name not in model_names:
-            raise UsageError(
-                f"--manifest {entry}: no model named {name!r} (serving: {', '.join(model_names)})"
-            )
-        if name in out:
-            raise UsageError(f"--manifest: two manifests for {name or 'the model'}")
-        out[name] = path
-    if "" in out and len(model_names) > 1:
-        raise UsageError("--manifest: name the model (NAME=FILE) when serving several models")
-    return out
-
-
 def _check_trust_args(manifests: dict[str, str], keys: list[str], hf: bool) -> None:
     if keys and not manifests:
         raise UsageError("--trust-key needs --manifest (the key signs a manifest)")
-
-
-def serve_verify_options(
-    args: argparse.Namespace, model_names: list[str], cache_dir: str
-) -> VerifyOptions:
-    """The VerifyOptions ``weightd serve`` was asked for."""
-    from ..trust.verify import VerifyOptions
-
-    manifests = _manifest_map(args.manifest, model_names)
-    _check_trust_args(manifests, args.trust_key, args.trust_hf_cache)
-    return VerifyOptions(
-        manifests=manifests,
-        trust_keys=tuple(args.trust_key),
-        trust_hf_cache=args.trust_hf_cache,
-        hash_cache_dir=None if args.no_hash_cache else os.path.join(cache_dir, "hashes"),
-        reverify=args.reverify,
-        threads=args.hash_threads,
-    )
 
 
 # --- weightd verify --------------------------------------------------------------------

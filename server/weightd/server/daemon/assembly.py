@@ -19,24 +19,25 @@ from ..adapters.registry import AdapterRegistry
 from ..adapters.service import AdapterService
 from ..base.cleanup import on_error
 from ..base.errors import ListenError
+from ..config import ServeConfig, build
 from ..plan.rules import RuleTable
 from ..plan.rules_file import load_rules_file
-from ..registry.filewatch import DEFAULT_INTERVAL_SECONDS, ShardWatcher
+from ..registry.filewatch import ShardWatcher
 from ..registry.loading import Reloader, load_source
 from ..registry.models import ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.guards import AdminGate
 from ..rpc.interceptors import InflightTracker, RpcObserver
 from ..rpc.requests import RequestGuard
-from ..rpc.streams import DEFAULT_IDLE_SECONDS, StreamBounds, StreamWatchdog
+from ..rpc.streams import StreamBounds, StreamWatchdog
 from ..rpc.weights import WeightsService, add_weights_service
-from ..rpc.wire import DEFAULT_CHUNK_BYTES, WEIGHTS_SERVICE
+from ..rpc.wire import WEIGHTS_SERVICE
 from ..sources.location import default_model_name
-from ..sources.resolver import SourceOptions, SourceResolver
+from ..sources.resolver import SourceResolver
 from ..telemetry import logs
 from ..telemetry.metrics import Metrics, MetricsServer, SourceMetrics, serve_metrics
 from ..transports.local_server import LocalServer, start_local_server
-from ..transports.options import LocalConfig, check_config
+from ..transports.options import check_config
 from ..trust.verify import VerifyOptions
 from . import lifecycle, listeners
 from .addresses import Address, parse_address, prepare_unix_socket
@@ -53,72 +54,6 @@ from .collectors import (
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 
 log = logging.getLogger("weightd")
-
-
-@dataclass
-class ServeConfig:
-    """Everything ``weightd serve`` can be told. One object, filled by the CLI."""
-
-    #: (name or None, directory or ``s3://bucket/prefix/``) of each model to serve.
-    models: list[tuple[str | None, str]]
-    #: A gRPC address: ``unix:///path.sock`` or ``HOST:PORT`` (port 0 picks one).
-    listen: str
-    #: Allow a TCP address that is not loopback without TLS. Off: weights stay local.
-    insecure: bool = False
-    #: Server streams (Fetch, FetchAdapter, watches) served at once; each holds a worker
-    #: thread for its duration. A few more threads stay free for unary calls.
-    max_workers: int = 16
-    #: RPCs beyond this many at once are answered RESOURCE_EXHAUSTED, not queued.
-    max_concurrent_rpcs: int = 64
-    #: Default tensor payload per streamed message.
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    #: ``--fetch-rehash``: hash each slice's bytes again as every Fetch sends them and
-    #: compare with the anchored digest. Off (the default), only streams whose request
-    #: asks are re-hashed (a client asks after its own digest check failed); the others
-    #: rely on the held descriptors' ``fstat`` and the client's own check.
-    fetch_rehash: bool = False
-    #: Seconds in-flight RPCs get to finish after SIGTERM.
-    grace_seconds: float = 30.0
-    #: Sharding rules files (``--rules``), tried before the built-in tables.
-    rules_files: list[str] = field(default_factory=list)
-    extra_options: list[tuple[str, int]] = field(default_factory=list)
-    #: TLS for TCP listeners: certificate chain and key (PEM); with ``tls_client_ca``,
-    #: clients must present a certificate signed by that CA (mutual TLS).
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    #: Admin listener: ``unix:///path.sock``, ``HOST:PORT`` (mutual TLS + ``admin_allow``
-    #: required), ``"none"``; None: ``admin.sock`` next to the worker socket.
-    admin_listen: str | None = None
-    #: Client certificate identities (CN or SAN) allowed to call admin RPCs over TCP.
-    admin_allow: list[str] = field(default_factory=list)
-    #: ``HOST:PORT`` of the Prometheus HTTP listener; None: no metrics listener.
-    metrics_listen: str | None = None
-    #: ``HOST:PORT`` of a plaintext gRPC listener serving only grpc.health.v1 (for
-    #: Kubernetes gRPC probes, which cannot speak TLS); None: none.
-    health_listen: str | None = None
-    #: Serve gRPC server reflection (grpc.reflection.v1alpha) on the worker listener.
-    reflection: bool = False
-    #: Worker and side sockets 0660 in a 0750 directory (members of the daemon's group may
-    #: connect) instead of 0600 in 0700. The admin socket stays 0600.
-    socket_group_access: bool = False
-    #: Longest any server stream may run, whatever deadline the client set (0: no cap).
-    max_stream_seconds: float = 3600.0
-    #: A stream whose client has not taken a message for this long is cancelled (0: off).
-    stream_idle_seconds: float = DEFAULT_IDLE_SECONDS
-    #: Trust sources, hash cache and hashing threads for loading (and reloading) models.
-    verify: VerifyOptions = field(default_factory=VerifyOptions)
-    #: Same-host transports: shared-memory packs, pinned staging, CUDA IPC.
-    local: LocalConfig = field(default_factory=LocalConfig)
-    #: Directories LoRA adapters may be loaded from (``--adapter-root``); none: every
-    #: LoadAdapter is refused (the other adapter RPCs still answer).
-    adapter_roots: list[str] = field(default_factory=list)
-    #: Bytes of adapters held at once; unleased, unpinned ones are evicted LRU to fit.
-    adapter_budget_bytes: int | None = None
-    #: Seconds between two checks of every served shard by the file watcher (0: off).
-    watch_seconds: float = DEFAULT_INTERVAL_SECONDS
-    #: Remote (``s3://``) models and adapters: endpoint, download engine, cache, trust.
-    sources: SourceOptions = field(default_factory=SourceOptions)
 
 
 @dataclass
@@ -234,12 +169,14 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     ``metrics_registry``: where the daemon registers its metrics (tests pass their own);
     None creates one when ``config.metrics_listen`` is set, else no metrics at all.
     """
+    server_config = config.server
+    local_config = build.local_config(config)
     address = parse_address(config.listen)
-    tls = read_tls(TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca))
+    tls = read_tls(TlsFiles(config.tls.cert, config.tls.key, config.tls.client_ca))
     warning = check_worker_listener(address, tls=tls is not None, insecure=config.insecure)
-    admin_address = listeners.admin_address(config.admin_listen, address)
+    admin_address = listeners.admin_address(config.admin.listen, address)
     allowed = (
-        check_admin_listener(admin_address, tls=tls, allowed=frozenset(config.admin_allow))
+        check_admin_listener(admin_address, tls=tls, allowed=frozenset(config.admin.allow))
         if admin_address is not None
         else None
     )
@@ -249,8 +186,8 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         and (admin_address is None or admin_address.kind == "unix")
     ):
         raise ListenError("--tls-cert was given but no TCP listener uses it")
-    driver = check_config(config.local, address.kind == "unix")
-    if metrics_registry is None and config.metrics_listen is not None:
+    driver = check_config(local_config, address.kind == "unix")
+    if metrics_registry is None and config.metrics.listen is not None:
         metrics_registry = CollectorRegistry()
     registry = ModelRegistry()
     metrics = None
@@ -262,11 +199,13 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     tracker = InflightTracker()
     observer = RpcObserver(metrics, tracker, listeners.model_resolver(registry))
     watchdog = (
-        StreamWatchdog(config.max_stream_seconds, idle_seconds=config.stream_idle_seconds)
-        if config.max_stream_seconds > 0 or config.stream_idle_seconds > 0
+        StreamWatchdog(
+            server_config.max_stream_seconds, idle_seconds=server_config.stream_idle_seconds
+        )
+        if server_config.max_stream_seconds > 0 or server_config.stream_idle_seconds > 0
         else None
     )
-    bounds = StreamBounds(watchdog, config.max_workers, "worker")
+    bounds = StreamBounds(watchdog, server_config.max_workers, "worker")
     locks: list[IO[str]] = []
     daemon: Daemon | None = None
 
@@ -283,36 +222,37 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         options = [
             ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
             ("grpc.max_receive_message_length", 1 << 20),  # requests are small
-            *config.extra_options,
+            *server_config.extra_options,
         ]
         server = grpc.server(
-            listeners.worker_pool(config.max_workers),
+            listeners.worker_pool(server_config.max_workers),
             options=options,
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+            maximum_concurrent_rpcs=server_config.max_concurrent_rpcs,
             interceptors=[observer, RequestGuard(), AdminGate(), bounds],
         )
         source_metrics = (
             SourceMetrics.create(metrics_registry) if metrics_registry is not None else None
         )
-        resolver = SourceResolver(config.sources, config.verify, source_metrics)
+        verify = build.verify_options(config)
+        resolver = SourceResolver(build.source_options(config), verify, source_metrics)
         adapter_service = AdapterService(
             registry,
-            AdapterRegistry(config.adapter_budget_bytes),
-            config.adapter_roots,
+            AdapterRegistry(config.adapters.budget_bytes),
+            list(config.adapters.root),
             resolver=resolver,
         )
         adapters = Adapters(adapter_service)
         service = WeightsService(
             registry,
-            config.chunk_bytes,
+            server_config.chunk_bytes,
             adapters,
             resumes=metrics.fetch_resumes if metrics is not None else None,
-            rehash=config.fetch_rehash,
+            rehash=server_config.fetch_rehash,
         )
         add_weights_service(service, server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        if config.reflection:
+        if server_config.reflection:
             listeners.enable_reflection(server)
         daemon = Daemon(
             server,
@@ -330,18 +270,18 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         daemon.reloader = Reloader(
             registry,
             metrics,
-            sources={n or default_model_name(d): d for n, d in config.models},
-            options=config.verify,
+            sources={m.name or default_model_name(m.value): m.value for m in config.model},
+            options=verify,
             resolver=resolver,
         )
-        if config.watch_seconds > 0:
+        if config.watch_interval > 0:
             daemon.watcher = ShardWatcher(
-                registry, daemon.reloader, config.watch_seconds, metrics_registry
+                registry, daemon.reloader, config.watch_interval, metrics_registry
             )
         daemon.address = listeners.bind(server, address, tls, "worker", group=group)
-        if address.kind == "unix" and config.local.enabled:
+        if address.kind == "unix" and local_config.enabled:
             daemon.local = start_local_server(
-                address.path, registry, config.local, driver, adapter_service, group=group
+                address.path, registry, local_config, driver, adapter_service, group=group
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)
@@ -359,16 +299,16 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
                 daemon.reloader, observer, allowed, adapters, watchdog
             )
             daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
-        if config.health_listen is not None:
+        if config.health.listen is not None:
             daemon.health_server = listeners.health_server(
                 health_servicer, observer, watchdog, bounds
             )
             daemon.health_address = listeners.bind(
-                daemon.health_server, parse_address(config.health_listen), None, "health"
+                daemon.health_server, parse_address(config.health.listen), None, "health"
             )
-        if config.metrics_listen is not None:
+        if config.metrics.listen is not None:
             assert metrics_registry is not None
-            host, port = listeners.host_port(config.metrics_listen)
+            host, port = listeners.host_port(config.metrics.listen)
             daemon.metrics_server = serve_metrics(metrics_registry, host, port)
     for status_name in ("", WEIGHTS_SERVICE):
         health_servicer.set(status_name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -404,19 +344,20 @@ def serve(config: ServeConfig) -> int:
 
     Exit status: 0 after a drain (or a signal during start-up), 1 when aborted.
     """
-    tables = [load_rules_file(path) for path in config.rules_files]  # bad file: fail first
+    tables = [load_rules_file(path) for path in config.rules]  # bad file: fail first
     signals = lifecycle.Signals.install()
     logs.event(
         "start",
         pid=os.getpid(),
         version=listeners.version(),
-        models=len(config.models),
+        models=len(config.model),
         listen=config.listen,
     )
     try:
         daemon = create_daemon(config)
         with on_error(lambda: daemon.stop(0), "the daemon after a failed start"):
-            load_models(daemon, config.models, tables, config.verify)
+            models = [(m.name, m.value) for m in config.model]
+            load_models(daemon, models, tables, build.verify_options(config))
             signals.started()  # inside the block: a signal just before this still stops cleanly
     except lifecycle.ShutdownRequested as stop:
         logs.event("exit", status=0, reason=f"signal {stop.signum} during start-up")
@@ -431,6 +372,6 @@ def serve(config: ServeConfig) -> int:
         signal.signal(signal.SIGHUP, on_hangup)
     logs.event("serving", models=",".join(daemon.registry.names()), target=daemon.target)
     signals.wait()
-    status = lifecycle.drain(daemon, config.grace_seconds, signals)
+    status = lifecycle.drain(daemon, config.server.grace, signals)
     logs.event("exit", status=status, aborted=signals.aborted)
     return status

@@ -27,7 +27,6 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -47,8 +46,6 @@ from .loading import Reloader
 from .models import LoadedModel, ModelRegistry
 
 log = logging.getLogger("weightd.filewatch")
-
-DEFAULT_INTERVAL_SECONDS: Final = 2.0
 
 
 @dataclass
@@ -75,7 +72,7 @@ class ShardWatcher:
         self,
         registry: ModelRegistry,
         reloader: Reloader,
-        interval: float = DEFAULT_INTERVAL_SECONDS,
+        interval: float,
         metrics: CollectorRegistry | None = None,
     ) -> None:
         self._registry = registry

@@ -40,8 +40,6 @@ log = logging.getLogger("weightd.streams")
 
 #: Seconds past the cap before a blocked stream is cancelled (the polite path first).
 DEFAULT_SLACK_SECONDS: Final = 5.0
-#: Default for ``--stream-idle-seconds``.
-DEFAULT_IDLE_SECONDS: Final = 60.0
 
 
 class TooManyStreams(ResourceLimitError):

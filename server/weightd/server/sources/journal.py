@@ -11,12 +11,12 @@ store has now, is discarded whole: nothing from another version is ever kept.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ..base.atomicio import write_atomic
+from ..base.readfile import ReadRefused, read_bounded
 from .s3 import RemoteObject
 
 FORMAT: Final = "weightd-download-journal"
@@ -115,11 +115,7 @@ def parse_journal(raw: bytes) -> Journal | None:
 def load_journal(path: str) -> Journal | None:
     """The journal at ``path``, or None when there is none or it is not usable."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read(MAX_JOURNAL_BYTES + 1)
-    if len(raw) > MAX_JOURNAL_BYTES:
+        raw = read_bounded(path, MAX_JOURNAL_BYTES, follow=False)
+    except ReadRefused:
         return None
     return parse_journal(raw)

@@ -1,4 +1,5 @@
-"""Configuration of the same-host transports: one dataclass, its CLI flags, its checks.
+"""Configuration of the same-host transports: one dataclass and its checks (the settings
+themselves are declared in :mod:`weightd.server.config.schema`).
 
 Flags that need CUDA (``--pin``, ``--cuda-ipc``) are checked at start, before the
 daemon listens anywhere, so a host without a usable driver fails with one line
@@ -7,7 +8,6 @@ instead of serving without the staging the operator asked for.
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from typing import Final
@@ -59,71 +59,6 @@ class LocalConfig:
 
     def resolved_pin_budget(self) -> int:
         return self.pin_budget_bytes if self.pin_budget_bytes > 0 else self.resolved_host_budget()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("same-host transports (shared memory, pinned staging, CUDA IPC)")
-    g.add_argument(
-        "--no-shm",
-        dest="shm",
-        action="store_false",
-        help="do not open the side socket <socket>.local (no shared-memory packs, no CUDA IPC)",
-    )
-    g.add_argument(
-        "--shm-budget-bytes",
-        type=int,
-        default=0,
-        help="bytes of rank packs kept in shared memory (default: half of physical memory)",
-    )
-    g.add_argument(
-        "--pack-ttl",
-        type=float,
-        default=DEFAULT_TTL_SECONDS,
-        help="seconds an unleased pack is kept before it is freed",
-    )
-    g.add_argument("--pin", action="store_true", help="page-lock packs (needs CUDA)")
-    g.add_argument(
-        "--pin-budget-bytes",
-        type=int,
-        default=0,
-        help="bytes of packs page-locked at once (default: the shared-memory budget)",
-    )
-    g.add_argument(
-        "--cuda-ipc", action="store_true", help="place packs on GPUs, hand out CUDA IPC handles"
-    )
-    g.add_argument(
-        "--cuda-budget-bytes",
-        type=int,
-        default=DEFAULT_CUDA_BUDGET_BYTES,
-        help="bytes of packs per GPU",
-    )
-    g.add_argument(
-        "--side-max-connections",
-        type=int,
-        default=DEFAULT_MAX_CONNECTIONS,
-        help="side-socket connections (one per lease) beyond which new ones are refused "
-        "with RESOURCE_EXHAUSTED",
-    )
-    g.add_argument(
-        "--side-request-seconds",
-        type=float,
-        default=DEFAULT_REQUEST_SECONDS,
-        help="seconds a side-socket client has, from connecting, to send its whole request",
-    )
-
-
-def from_arguments(args: argparse.Namespace) -> LocalConfig:
-    return LocalConfig(
-        enabled=args.shm,
-        host_budget_bytes=args.shm_budget_bytes,
-        ttl_seconds=args.pack_ttl,
-        pin=args.pin,
-        pin_budget_bytes=args.pin_budget_bytes,
-        cuda_ipc=args.cuda_ipc,
-        cuda_budget_bytes=args.cuda_budget_bytes,
-        max_connections=args.side_max_connections,
-        request_seconds=args.side_request_seconds,
-    )
 
 
 def check_config(config: LocalConfig, unix_socket: bool) -> CudaDriver | None:

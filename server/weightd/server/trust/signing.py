@@ -16,7 +16,6 @@ import base64
 import binascii
 import hashlib
 import os
-import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -32,6 +31,7 @@ from ..base.errors import (
     UnsignedManifestError,
     UntrustedKeyError,
 )
+from ..base.readfile import ReadRefused, read_bounded
 from .manifest import Manifest, signed_bytes
 
 ALGORITHM: Final = "ed25519"
@@ -53,17 +53,9 @@ def key_id(key: Ed25519PublicKey) -> str:
 def _read_key_file(path: str) -> bytes:
     """A key file's bytes: a regular file, bounded (a FIFO or /dev/zero is refused)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise KeyFileError(path, f"cannot read key file: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise KeyFileError(path, "key file is not a regular file")
-        os.set_blocking(fd, True)
-        data = f.read(MAX_KEY_FILE_BYTES + 1)
-    if len(data) > MAX_KEY_FILE_BYTES:
-        raise KeyFileError(path, "key file is too large to be a key")
-    return data
+        return read_bounded(path, MAX_KEY_FILE_BYTES)
+    except ReadRefused as exc:
+        raise KeyFileError(path, f"key file: {exc.reason}") from None
 
 
 def load_public_key(path: str) -> TrustedKey:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..base.cleanup import closing
 from ..base.errors import CheckpointError, ManifestSyntaxError, WeightdError
+from ..base.readfile import ReadRefused, read_bounded
 from ..checkpoint.config_check import check_layout
 from ..checkpoint.description import Checkpoint
 from ..checkpoint.scan import Scan, scan_checkpoint
@@ -112,17 +112,9 @@ def first_problem(problems: list[WeightdError], model_dir: str) -> WeightdError:
 def read_operator_file(path: str, limit: int, error: type[CheckpointError]) -> bytes:
     """Read a file the operator named (a manifest): regular, bounded, never a FIFO."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise error(path, f"cannot open: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise error(path, "is not a regular file")
-        os.set_blocking(fd, True)
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise error(path, f"larger than the {limit}-byte limit")
-    return data
+        return read_bounded(path, limit)
+    except ReadRefused as exc:
+        raise error(path, exc.reason) from None
 
 
 def _prepare_trust(
