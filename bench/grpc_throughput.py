@@ -58,7 +58,7 @@ big tensors were populated (bd5332b; 2bd4002 is the one before slice digests wer
 negotiated, 57b8bc6 the one before Fetch messages were hand-encoded); the
 "before"/"old-*" rows need it in the repository's history (``git archive``), the other
 rows do not. ``--smoke`` uses tiny tensor widths (tests/bench keeps the script working).
-Results and what the profiles showed: docs/grpc-throughput.md.
+Results and what the profiles showed: docs/notes/2026-12-02-grpc-throughput.md.
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ def _scan_all_present(pagemap: int, first: int, last: int) -> bool | None:
     """Ask the kernel for the first page in [first, last] pages that is not present.
 
     One ioctl, whose walk skips a 2 MiB mapping in one step, where reading the entries
-    costs 8 bytes per 4 KiB page (~1.5 ms for a 0.5 GiB rank in huge pages, which at
-    TP=4 competes with the other ranks' fetches). None: the kernel has no PAGEMAP_SCAN.
+    costs 8 bytes per 4 KiB page (milliseconds for a rank of half a GiB in huge pages,
+    which at TP=4 compete with the other ranks' fetches). None: the kernel has no PAGEMAP_SCAN.
     """
     regions = (ctypes.c_uint64 * 3)()  # one struct page_region: start, end, categories
     arg = _ScanArg(

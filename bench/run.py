@@ -14,8 +14,8 @@ not, the definition before 2026-12-04, which adds reading memory that is already
 place). A rank that holds its weights then waits until every rank does, as a TP group
 does at its first collective, before it measures and exits: before 2026-12-05 it went
 on at once, and its reading of smaps and its interpreter's teardown took the cores from
-the ranks still loading (at TP=4 on two cores the last shared-memory rank finished at
-~11 ms instead of ~6.6 ms). Memory is read from
+the ranks still loading (at TP=4 on two cores the last shared-memory rank finished
+markedly later; the dated notes in ``docs/notes/`` have the figures). Memory is read from
 ``/proc/<pid>/smaps_rollup`` after loading (PSS and private bytes, since RSS counts
 shared pages once per process) and I/O from ``/proc/<pid>/io``. Results go to
 ``bench/results/<timestamp>/`` as results.json, results.md and chart.png. No timing is
@@ -23,11 +23,11 @@ asserted anywhere: machines are shared and noisy, so read the ratios.
 
 Warm means warm for the host too: each timed warm run of a case follows an untimed run
 of the same case (``--no-rewarm``: not). Why: this VM's host reclaims guest memory left
-idle; a shared-memory pack untouched for 30 s took 69 ms to touch against 3 ms right
-after a fetch (docs/grpc-throughput.md). The checkpoint's page cache is read by most
-cases, so it stays hot anyway, while a pack is read by one case once a round: without
-the untimed run, the fast rows measured the host's page-ins, and the rows that share
-the page cache were favoured.
+idle; a shared-memory pack untouched for half a minute took many times longer to touch
+than right after a fetch (docs/notes/2026-12-02-grpc-throughput.md). The checkpoint's
+page cache is read by most cases, so it stays hot anyway, while a pack is read by one
+case once a round: without the untimed run, the fast rows measured the host's
+page-ins, and the rows that share the page cache were favoured.
 """
 
 from __future__ import annotations

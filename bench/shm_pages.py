@@ -2,7 +2,7 @@
 
 A worker that maps a rank pack pays one page-table entry per page the first time it
 reads it; with 4 KiB pages that is all that is left of a shared-memory fetch
-(docs/grpc-throughput.md). Packs are memfds, so huge pages for them are shmem THP,
+(docs/notes/2026-12-02-grpc-throughput.md). Packs are memfds, so huge pages for them are shmem THP,
 governed by ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``, a host-wide
 setting. This benchmark allocates a pack-sized memfd the way ``packs/build.py`` does
 for each mode (``packs/hugepages.allocate``: fallocate, advice plus

@@ -4,7 +4,7 @@
 #   bash tests/gpu/run_all.sh            # uses .venv; needs a CUDA build of torch in it
 #
 # On a GPU host set the venv up with the CUDA torch you have (WEIGHTD_TORCH_SPEC=""
-# keeps the installed one, see README) before running this. NOT RUN YET: weightd was
+# keeps the installed one, see docs/guides/install.md) before running this. NOT RUN YET: weightd was
 # developed without a GPU; this is the script to run where one exists.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -13,7 +13,7 @@ PY=${PYTHON:-.venv/bin/python}
 import sys, torch
 from weightd.common.cuda_driver import CudaDriver
 if not torch.cuda.is_available():
-    sys.exit(f"torch {torch.__version__} sees no GPU: install a CUDA build (see README)")
+    sys.exit(f"torch {torch.__version__} sees no GPU: install a CUDA build (see docs/guides/install.md)")
 d = CudaDriver.load()
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {d.device_count()} GPU(s): "
       + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))

@@ -2,7 +2,7 @@
 
 These skip where there is no usable CUDA (torch and the driver API both) and are
 real tests elsewhere. **They have never run:** weightd was developed on machines
-without a GPU (see README, "CUDA path status"); ``tests/gpu/run_all.sh`` runs them
+without a GPU (see docs/design/same-host.md, "CUDA path status"); ``tests/gpu/run_all.sh`` runs them
 with the GPU benchmark on one GPU.
 """
 

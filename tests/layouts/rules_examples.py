@@ -1,4 +1,4 @@
-"""A rules file as a user writes one (the README shows the same table)."""
+"""A rules file as a user writes one (docs/guides/layouts.md shows the same table)."""
 
 from __future__ import annotations
 

@@ -283,3 +283,25 @@ def test_second_daemon_on_the_same_tcp_port_fails_clearly(tmp_path: Path, demo_m
         assert "Traceback" not in done.stderr
         with WeightClient(first.target, timeout=30) as client:
             assert client.list_models()[0].ready
+
+
+def test_the_metrics_reference_lists_what_a_real_scrape_serves(metrics_url: str) -> None:
+    """docs/reference/metrics.md is generated from the daemon's collectors
+    (``docs.refgen.metrics``); a real scrape must hold no family the page lacks, and
+    every family the page calls unconditional, with the same type and labels."""
+    from docs.refgen.metrics import daemon_families
+
+    documented = {f.name: f for f in daemon_families()}
+    scraped = {}
+    for family in text_string_to_metric_families(scrape(metrics_url)):
+        if not family.name.startswith("weightd_") or family.name.endswith("_created"):
+            continue  # _created: prometheus_client's creation time of a counter/histogram
+        name = f"{family.name}_total" if family.type == "counter" else family.name
+        labels = {k for s in family.samples for k in s.labels if k not in ("le", "quantile")}
+        scraped[name] = (family.type, labels)
+    assert set(scraped) - set(documented) == set(), "families missing from the reference"
+    always = {n for n, f in documented.items() if not f.conditional}
+    assert always - set(scraped) == set(), "documented families a daemon does not serve"
+    for name, (kind, labels) in scraped.items():
+        assert documented[name].kind == kind, name
+        assert labels <= set(documented[name].labels), (name, labels)

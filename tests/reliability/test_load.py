@@ -4,7 +4,7 @@ RESOURCE_EXHAUSTED, which the clients' retry policy absorbs. Also a few seconds 
 soak command (``bench/soak.py``), with a client kill and a SIGKILL restart.
 
 Throughput and latency are printed in the test output, never asserted: the machine is
-shared. The figures of a long run are in ``docs/reliability.md``.
+shared. The figures of long runs are in ``docs/notes/2026-12-02-soak.md``.
 """
 
 from __future__ import annotations

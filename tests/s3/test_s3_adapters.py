@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _digest(directory: Path) -> str:
-    """The adapter digest as the README defines it, computed here independently."""
+    """The adapter digest as docs/guides/adapters.md defines it, computed here independently."""
     lines = "".join(
         f"{n} {hashlib.sha256((directory / n).read_bytes()).hexdigest()}\n"
         for n in ("adapter_config.json", "adapter_model.safetensors")

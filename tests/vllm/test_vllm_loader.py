@@ -43,7 +43,7 @@ def test_tokens_logprobs_and_parameters_equal_the_default_loaders(
 
 
 def _share(name: str, full: list[int], model: str, tp: int, rank: int) -> list[int]:
-    """The shape a worker must receive, from the table in the README."""
+    """The shape a worker must receive, from the table in docs/guides/layouts.md."""
     if tp == 1 or (len(full) == 1 and not name.endswith("_proj.bias")):
         return full  # norms; q/k/v biases are cut like their weights' rows
     if "o_proj" in name or "down_proj" in name:

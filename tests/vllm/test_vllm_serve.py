@@ -1,4 +1,5 @@
-"""vLLM's OpenAI-compatible server with ``--load-format weightd``: the README's command.
+"""vLLM's OpenAI-compatible server with ``--load-format weightd``: the command in
+docs/guides/vllm.md.
 
 Nothing but the command line: the plugin is found through its ``vllm.general_plugins``
 entry point, the loader's options come from ``--model-loader-extra-config``. The

@@ -70,13 +70,18 @@ class AdminClient:
         return status_of(self._call(self._stub.LoadAdapter, request))
 
     def unload_adapter(self, name: str) -> AdapterStatus:
+        """Unload adapter ``name``. Fetches and mapped packs of it keep their version
+        until they end; new fetches get ``NotFoundError``."""
         return status_of(self._call(self._stub.UnloadAdapter, pb.AdapterNameRequest(name=name)))
 
     def pin_adapter(self, name: str, pinned: bool = True) -> AdapterStatus:
+        """Pin adapter ``name`` (never evicted to make room under the adapter budget),
+        or with ``pinned=False`` unpin it."""
         method = self._stub.PinAdapter if pinned else self._stub.UnpinAdapter
         return status_of(self._call(method, pb.AdapterNameRequest(name=name)))
 
     def list_adapters(self) -> list[AdapterStatus]:
+        """Every loaded adapter: version, digest, base model, bytes, pinned, leases."""
         r = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest())
         return [status_of(a) for a in r.adapters]
 
@@ -87,6 +92,7 @@ class AdminClient:
             raise from_rpc_error(exc) from None
 
     def close(self) -> None:
+        """Close the channel (also done by ``with AdminClient(...)``)."""
         self._channel.close()
 
     def __enter__(self) -> AdminClient:

@@ -71,7 +71,7 @@ class WeightClient:
 
     ``slice_digest``: the digest kind gRPC fetches ask the daemon for and check,
     ``"blake3"`` or ``"sha256"``; None: BLAKE3 when the ``blake3`` package can be
-    imported (about 4x cheaper per byte on both sides), else SHA-256. A daemon that
+    imported (several times cheaper per byte on both sides), else SHA-256. A daemon that
     predates the choice sends SHA-256, which is always accepted.
 
     ``populate``: a shared-memory fetch returns with every page of the rank already
@@ -122,7 +122,7 @@ class WeightClient:
         self._credentials = credentials
         #: The gRPC channel and its stubs, made by the first call that needs them: a
         #: same-host fetch (``transport="shm"`` / ``"cuda_ipc"``) never opens one, and
-        #: making a channel costs up to ~4 ms here (see :meth:`_main`).
+        #: making a channel can cost milliseconds (see :meth:`_main`).
         self._grpc: tuple[grpc.Channel, pb_grpc.WeightsStub, RawFetchStub] | None = None
         self._closed = False
         #: Extra connections for ``fetch(..., streams=N)``: stream i > 0 uses the i-th.
@@ -142,8 +142,8 @@ class WeightClient:
         """The main channel and its stubs, made on first use.
 
         Why lazily: a shared-memory fetch talks only to the side socket, and creating a
-        gRPC channel in a fresh process took 0.05-3.8 ms (bimodal) measured here, up
-        to a third of a whole shared-memory fetch. After :meth:`close` none is made:
+        gRPC channel in a fresh process can take milliseconds, a large part of a whole
+        shared-memory fetch. After :meth:`close` none is made:
         gRPC calls raise ``ValueError``, as they did on the closed channel.
         """
         with self._stream_lock:
@@ -192,6 +192,8 @@ class WeightClient:
         return call_with_retry(fn, self.retry, self.retry_stats)
 
     def close(self) -> None:
+        """Close every channel this client opened (also done by ``with WeightClient(...)``).
+        Tensors already fetched stay valid; shared-memory leases end with their tensors."""
         with self._stream_lock:
             self._closed = True
             if self._grpc is not None:
@@ -259,10 +261,13 @@ class WeightClient:
         return self._retried(call)
 
     def list_models(self) -> list[ModelInfo]:
+        """Every model the daemon serves, with its readiness and state."""
         reply = self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [model_info_of(m) for m in reply.models]
 
     def describe(self, model: str | None = None) -> ModelDescription:
+        """Every tensor of ``model`` (None: the daemon's only model) with its dtype, full
+        shape, shard and verified digest, and the files the daemon verified."""
         request = pb.DescribeModelRequest(model=model or "")
         return description_of(self._unary(self._stub.DescribeModel, request))
 

@@ -12,7 +12,7 @@ A handle can be opened only once per process, so opened handles are cached and
 reference-counted per process; the last tensor freed closes the handle
 (``cuIpcCloseMemHandle``) and then the lease's connection.
 
-Container requirements (see README): host IPC namespace (``--ipc=host``), host PID
+Container requirements (see docs/design/same-host.md): host IPC namespace (``--ipc=host``), host PID
 namespace or at least distinct PIDs (``--pid=host``), the daemon and workers seeing
 the same GPUs (any order: matched by UUID).
 

@@ -1,6 +1,6 @@
 """Typed client errors. Each carries the gRPC status code and the daemon's detail.
 
-Callers catch the class for the situation (``ModelNotFoundError``, ``DataLossError``)
+Callers catch the class for the situation (``NotFoundError``, ``DataLossError``)
 or the base :class:`WeightdError` for all; nothing is swallowed or turned into a
 boolean. Errors the client itself detects (a digest mismatch, a stream cut short)
 use the same classes with the code the daemon would have used.
@@ -12,6 +12,15 @@ import grpc
 
 
 class WeightdError(Exception):
+    """Base of every error the client raises: catch it for all of them.
+
+    ``code`` is the gRPC status code (the daemon's, or the one it would have used for
+    what the client detects itself), ``detail`` the daemon's message, which names the
+    model, tensor or field at fault. ``transport`` is set (``"shm"``, ``"cuda_ipc"``)
+    when a same-host transport failed on its own: the request is fine and gRPC may
+    serve it. ``str(error)`` is ``"CODE: detail"``.
+    """
+
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
     #: Set when the failure is a same-host transport's own ("shm", "cuda_ipc"): the
     #: request itself is fine and gRPC may serve it. None: the request failed.
@@ -31,14 +40,24 @@ class WeightdError(Exception):
 
 
 class NotFoundError(WeightdError):
+    """No such model, tensor or adapter on this daemon (``NOT_FOUND``)."""
+
     code = grpc.StatusCode.NOT_FOUND
 
 
 class InvalidArgumentError(WeightdError):
+    """The request itself is wrong: a rank out of range, a layout the model cannot be cut
+    into, an unknown digest kind, a tensor another worker holds (``INVALID_ARGUMENT``).
+    Asking again unchanged fails again."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class FailedPreconditionError(WeightdError):
+    """The daemon cannot do this for this model in its present state: no sharding rules
+    for its architecture above world size 1, a pack reference from an earlier daemon
+    boot, a placement the daemon does not offer (``FAILED_PRECONDITION``)."""
+
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -52,6 +71,9 @@ class VocabPadUnsupportedError(FailedPreconditionError):
 
 
 class DataLossError(WeightdError):
+    """Bytes that do not match their verified digest, or a stream cut short
+    (``DATA_LOSS``): nothing of the failed fetch is returned."""
+
     code = grpc.StatusCode.DATA_LOSS
 
 
@@ -68,14 +90,24 @@ class DigestMismatchError(DataLossError):
 
 
 class ResourceExhaustedError(WeightdError):
+    """A limit was reached: concurrent RPCs or streams, a request or name bound, a
+    shared-memory or adapter budget (``RESOURCE_EXHAUSTED``). Retryable with backoff
+    (:class:`~weightd.client.retry.RetryPolicy`)."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class UnavailableError(WeightdError):
+    """The daemon cannot answer now: still verifying, draining, or not reachable at all
+    (``UNAVAILABLE``). Retryable with backoff."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 
 class DeadlineExceededError(WeightdError):
+    """A call ran past its timeout, or a stream past the daemon's ``--max-stream-seconds``
+    (``DEADLINE_EXCEEDED``)."""
+
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -86,10 +118,17 @@ class AbortedError(WeightdError):
 
 
 class PermissionDeniedError(WeightdError):
+    """The caller may not do this here: an admin call on the worker listener, an admin
+    client certificate not allowed, a path outside the adapter roots
+    (``PERMISSION_DENIED``)."""
+
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class UnauthenticatedError(WeightdError):
+    """An admin call over TCP without a client identity the daemon can read
+    (``UNAUTHENTICATED``)."""
+
     code = grpc.StatusCode.UNAUTHENTICATED
 
 

@@ -5,9 +5,9 @@ inside protobuf (``FromString`` copies a ``bytes`` field into the message's aren
 reading ``chunk.data`` copies it out again into a new ``bytes``) before the one copy
 that matters, into the tensor. Those copies are of data still in cache, so they cost
 less than the copy into fresh tensor memory, but measured with
-``bench/grpc_throughput.py`` this parser cut the client's CPU per GB by 0.2-0.4 s
-(~2.4 s before; what is left is mostly page faults of the fresh tensors, ~28 %, and
-the SHA-256 check, ~25 %). It also turns a malformed message into ``DataLossError``;
+``bench/grpc_throughput.py`` this parser cut the client's CPU per byte noticeably; what
+is left is mostly page faults of the fresh tensors and the digest check (figures: the
+gRPC notebook in ``docs/notes/``). It also turns a malformed message into ``DataLossError``;
 a failing response deserializer inside gRPC would have become an INTERNAL status.
 
 :func:`parse_fetch_response` reads the message as gRPC hands it over (``bytes``) and

@@ -1,8 +1,9 @@
 """Slice digest hashers on the client: BLAKE3 where the package is there, else SHA-256.
 
 Why BLAKE3 is optional here: the client is kept light (no daemon dependencies; a test
-fetches with ``blake3`` blocked), but checking SHA-256 was a quarter of the client's
-CPU per GB (docs/grpc-throughput.md) and BLAKE3 is ~4x faster per core. So a client
+fetches with ``blake3`` blocked), but checking SHA-256 was a large share of the
+client's CPU per byte (the gRPC notebook in ``docs/notes/``) and BLAKE3 is several
+times faster per core. So a client
 that can import ``blake3`` (installed with ``weightd`` itself, or on its own) asks the
 daemon for BLAKE3 slice digests; one that cannot keeps SHA-256 from ``hashlib``. This
 module is the one place in ``weightd.client`` allowed to import it (the import

@@ -82,6 +82,7 @@ class Layout:
         return ", ".join(parts)
 
     def to_proto(self) -> pb.Layout:
+        """The layout as the wire message ``weightd.v1.Layout``."""
         return pb.Layout(
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,

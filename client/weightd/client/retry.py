@@ -87,6 +87,7 @@ class RetryStats:
 
     @property
     def total(self) -> int:
+        """Retries of every code together."""
         return sum(self.retries.values())
 
 

@@ -2,14 +2,15 @@
 
 Mapping, not copying: every process that fetches the same rank maps the same pages,
 so ten workers on a host hold one copy, and a fetch costs a hand-off and page-table
-set-up instead of a copy through fresh memory (about 2 µs per 4 KiB page here).
+set-up instead of a copy through fresh memory (a page fault per 4 KiB page).
 
 The memfd arrives over the side socket with ``SCM_RIGHTS``. Before mapping it the
 client checks with ``F_GET_SEALS`` that it can no longer shrink, grow or be written
 (by anyone, the daemon included): then its bytes are exactly those the daemon
 re-hashed against the anchored digests before publishing, a truncation cannot SIGBUS
-us, and there is nothing to re-verify. Hashing would cost ~1.8 GB/s and defeat zero
-copy, so it is opt-in (``verify=True``), checking every slice against the table.
+us, and there is nothing to re-verify. Hashing every byte would cost far more than
+the mapping and defeat zero copy, so it is opt-in (``verify=True``), checking every
+slice against the table.
 
 The mapping is ``MAP_PRIVATE`` (copy-on-write) rather than read-only: reading shares
 the pack's pages like a shared mapping, and a worker that writes into a weight in
@@ -19,21 +20,21 @@ while no other process can ever see the write. Tensors are therefore ordinary
 writable tensors, and torch has nothing to warn about.
 
 Page tables: each 4 KiB page of the mapping costs the worker a page-table entry the
-first time it is touched (~0.25-0.3 s per GiB here, the whole remaining cost of a
-shared-memory fetch). ``populate=True`` asks the kernel to set them all up at once
+first time it is touched: the whole remaining cost of a shared-memory fetch.
+``populate=True`` asks the kernel to set them all up at once
 (``MADV_POPULATE_READ``, Linux 5.14+; ignored where unsupported) so the fetch returns
-with every page resident; in 4 KiB pages that costs the same as faulting page by page
-(0.27-0.29 s vs 0.23-0.27 s per GiB measured here), so it only moves the cost, and
+with every page resident; in 4 KiB pages that costs about what faulting page by page
+does (measured: the gRPC notebook in ``docs/notes/``), so it only moves the cost, and
 such packs stay lazy by default (a worker that reads part of a rank pays for that
 part). Huge pages cut the entries 512-fold: where the daemon's packs are in shmem
 huge pages (``packs/hugepages.py``: advised, given by the kernel, or collapsed by the
 daemon on a host at ``never``) the grant says so, and the default
-(``populate=None``) populates: ~0.5 ms for a 0.5 GiB rank here, against ~1.5 ms of
-first-touch faults. The mapping is made at a 2 MiB boundary
+(``populate=None``) populates, which then costs less than the first-touch faults
+would. The mapping is made at a 2 MiB boundary
 (``weightd.common.hugemap``), without which the kernel maps even a huge page 4 KiB at
 a time. Never ``MAP_POPULATE``: on this writable
-private mapping the kernel populates with write faults, which copy every page (6.4 s
-and a private GiB per GiB measured).
+private mapping the kernel populates with write faults, which copy every page (seconds
+and a private GiB per GiB mapped).
 
 The lease lasts while any tensor viewing the mapping lives: a finalizer on the
 mapping closes the side-channel connection when torch releases the last one.

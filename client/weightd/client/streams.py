@@ -1,8 +1,8 @@
 """One rank fetched over several concurrent Fetch streams (``fetch(..., streams=N)``).
 
 Why: one Python gRPC stream is bound by one thread on each side (parsing, copying and
-hashing its messages; gRPC's own per-stream work), about 0.5-1 GB/s here, while a
-worker on a many-core host or behind a fast NIC could take more. The rank's tensors
+hashing its messages; gRPC's own per-stream work), while a worker on a many-core host
+or behind a fast NIC could take more. The rank's tensors
 are split into N groups of about equal bytes, each group is one ordinary Fetch
 request naming its tensors (``FetchRequest.names``: no wire change, so it works with
 every daemon), received on its own thread and its own connection, and the results are
@@ -12,8 +12,8 @@ tensor), so a partial rank is never returned.
 
 What bounds it: each stream holds one of the daemon's RPC slots and threads
 (``--max-workers``, ``--max-concurrent-rpcs``), the client's GIL between the copies and
-hashes that release it, and the cores both sides share (on this 2-core machine, N > 2
-cannot help: see docs/grpc-throughput.md).
+hashes that release it, and the cores both sides share (with two cores, N > 2 cannot
+help: see the gRPC notebook in ``docs/notes/``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ pins host memory (``cuMemHostRegister``) and opens handles on the client side,
 and needs only the standard library and the NVIDIA driver's ``libcuda.so.1``.
 
 **Unverified:** this module was written on machines without a GPU; the ``gpu``
-tests exercise it where CUDA exists (see README, "CUDA path status").
+tests exercise it where CUDA exists (see docs/design/same-host.md, "CUDA path status").
 """
 
 from __future__ import annotations

@@ -4,11 +4,10 @@ Slice digests come in two kinds, chosen per Fetch by the client
 (``FetchRequest.slice_digest``):
 
 * ``sha256``, the default and what every daemon sends: every client can check it with
-  the standard library alone (``hashlib``, SHA-NI accelerated: about 1.6 GB/s per core
-  here);
-* ``blake3``, asked for by clients that have the ``blake3`` package: about 4x faster
-  per core here (6 GB/s), on both sides, and the algorithm the daemon already verifies
-  whole tensors with.
+  the standard library alone (``hashlib``, SHA-NI accelerated where the CPU has it);
+* ``blake3``, asked for by clients that have the ``blake3`` package: several times
+  faster per core, on both sides, and the algorithm the daemon already verifies whole
+  tensors with.
 
 Both are collision resistant, so a digest anchored in a trusted manifest can be
 forwarded to clients without weakening the chain of trust: whichever kind a slice's

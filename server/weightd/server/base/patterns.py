@@ -3,8 +3,9 @@ r"""Regular expressions from files, matched in linear time: the one engine for t
 Patterns that come from disk (``adapter_config.json``'s ``target_modules``,
 ``exclude_modules``, ``layers_pattern``, ``rank_pattern``/``alpha_pattern`` keys;
 ``--rules`` files; the built-in tables, parsed by the same code) are written for
-Python's ``re``, a backtracking engine: ``(a+)+$`` against 28 ``a`` and a ``!`` took
-16 s there, holding the GIL, and the daemon answered nothing meanwhile. Here they are
+Python's ``re``, a backtracking engine: ``(a+)+$`` against 28 ``a`` and a ``!`` takes
+time exponential in the length, holding the GIL, and the daemon answers nothing
+meanwhile. Here they are
 compiled with RE2 (``google-re2``), whose matching time is linear in the name.
 
 Keeping Python's meaning, not just its syntax: a pattern is accepted only when

@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="weightd", description="Serve verified per-rank slices of model checkpoints."
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser(
@@ -83,6 +84,16 @@ def _parser() -> argparse.ArgumentParser:
     add_trust_parsers(sub)
     add_config_parsers(sub)
     return p
+
+
+def _version() -> str:
+    """The installed distribution's version: declared once, in pyproject.toml."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("weightd")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _counts(text: str) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """``weightd serve``'s checks that need no socket, run before anything is bound or logged.
 
-The README promises that a start-up failure prints one line. The daemon itself only
+The docs promise that a start-up failure prints one line. The daemon itself only
 notices a missing model directory, an unreadable manifest or key, or a bad rules file
 once its listeners are bound and its ``start`` and ``listening`` lines are out; a typo
 then leaves several INFO lines, a socket directory and lock files behind. So every

@@ -15,7 +15,7 @@ descriptors with ``preadv`` straight into the memfd, and then:
 2. the sealed bytes are re-hashed through a read-only mapping and compared with the
    anchors. Only a pack whose every slice matches is published.
 
-Why copies and not windows onto one whole-model region: see README ("Rank packs").
+Why copies and not windows onto one whole-model region: see docs/design/same-host.md ("Rank packs").
 In short, a row-parallel slice is strided and must be copied anyway, a window onto
 the shard file itself is exactly what a truncated or rewritten file must not be able
 to disturb, and per-rank packs give each CUDA IPC export its own allocation.
@@ -153,7 +153,7 @@ def build_host_pack(
     every peer slice) are computed on :data:`_BUILD_THREADS` threads, a tensor each:
     hashlib, blake3 and ``preadv`` release the GIL, and on the first request for a
     layout this was the largest part of the build, one core hashing while the others
-    idled (1.14 GB at TP=1: 3.8 s of 8.6 s, see README "With vLLM"). Same anchors,
+    idled (the vLLM load note in ``docs/notes/`` measured it). Same anchors,
     same proof: only the order in which tensors are anchored changes.
     """
     workers = max(1, min(_BUILD_THREADS, os.cpu_count() or 1, len(plan.slices)))
@@ -235,7 +235,7 @@ def _fill(
     except OSError as exc:
         raise _exhausted(size, label, exc) from None
     # Slices fill disjoint ranges, on several threads: the reads release the GIL and the
-    # first touch of each fresh shmem page (a page fault, ~2 us per 4 KiB here) is then
+    # first touch of each fresh shmem page (a page fault per 4 KiB) is then
     # paid on every core instead of one.
     with memoryview(writer).cast("B") as view:
         todo = [(s, off) for s, off in zip(slices, offsets, strict=True) if s.nbytes]

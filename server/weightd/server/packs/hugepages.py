@@ -1,9 +1,9 @@
 """Huge pages for rank packs, where the kernel allows them for shared memory.
 
 Why: a worker mapping a pack pays one page-table entry per 4 KiB page the first time
-it reads it, ~0.25-0.3 s per GiB here, which is all that is left of a shared-memory
-fetch; a pack in 2 MiB pages is mapped with 512 times fewer entries. Packs are memfds,
-i.e. shmem, whose transparent huge pages are governed by
+it reads it, which is all that is left of a shared-memory fetch (measured in the
+dated notes under ``docs/notes/``); a pack in 2 MiB pages is mapped with 512 times
+fewer entries. Packs are memfds, i.e. shmem, whose transparent huge pages are governed by
 ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` (not by the anonymous-memory
 setting):
 
@@ -108,9 +108,9 @@ def collapse(fd: int, writer: ctypes.Array[ctypes.c_char], threads: int) -> int:
 
     ``writer`` maps ``fd`` from offset 0 at a 2 MiB-aligned address. Best effort: a
     block the kernel refuses keeps 4 KiB pages; the first EINVAL (no MADV_COLLAPSE for
-    shmem in this kernel) stops the rest. On this VM a block costs ~0.2-4 ms of
-    (mostly hypervisor) page allocation, so blocks go to ``threads`` threads (ctypes
-    releases the GIL).
+    shmem in this kernel) stops the rest. A block costs milliseconds of page allocation
+    (more on a virtual machine, where the hypervisor allocates too), so blocks go to
+    ``threads`` threads (ctypes releases the GIL).
     """
     blocks = list(range(0, len(writer) // HUGE_PAGE * HUGE_PAGE, HUGE_PAGE))
     if not blocks:

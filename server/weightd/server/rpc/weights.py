@@ -223,7 +223,8 @@ class WeightsService:
         each shard's ``fstat`` with the verified one after every read, and the client
         checks every byte against the digest. Why that is the default: the re-hash is
         the daemon's second check of bytes the client checks anyway, and on a stream
-        bound by CPU it cost 11-26 % of the throughput (docs/grpc-throughput.md). What is
+        bound by CPU it cost a sizeable share of the throughput (measured in the gRPC notebook
+        under ``docs/notes/``). What is
         lost is the daemon noticing by itself bytes changed under an unchanged size and
         mtime; a client whose check fails asks again with ``rehash`` set, so the daemon
         then finds out and marks the model broken (``weightd.client.resumable``). Each piece

@@ -4,12 +4,11 @@ Why by hand: with the generated code, each tensor byte the daemon streams was co
 three times inside protobuf before gRPC saw it: into the ``TensorChunk`` (upb copies a
 ``bytes`` field into its arena), again into the ``FetchResponse`` (building it with
 ``chunks=[...]`` deep-copies each chunk), and a third time by ``SerializeToString``.
-Measured with ``bench/grpc_throughput.py`` (2 cores, Unix socket, 1 MiB messages): a
-bare server that only builds and serialises such messages spends ~1.9 s of CPU per GB,
-against ~0.5 s for the same bytes sent raw; in the daemon, writing the messages here
-instead cut its CPU per GB from ~2.0 s to ~1.3 s (SHA-256 is ~0.6 s of what is left).
-On a host where the daemon and its clients share the cores, that time came straight
-out of the clients' throughput.
+Measured with ``bench/grpc_throughput.py``, building messages that way cost several
+times the CPU per byte of sending the same bytes raw, and writing them here instead cut
+the daemon's CPU per byte by about a third (figures: the dated gRPC notebook in
+``docs/notes/``). On a host where the daemon and its clients share the cores, that
+time comes straight out of the clients' throughput.
 
 :class:`EncodedResponse` keeps a message as the list of its wire pieces (small
 prefixes, and the tensor bytes as read from the shard, not copied) and joins them once,
@@ -90,8 +89,8 @@ def writable_bytes(size: int) -> tuple[bytes, memoryview | None]:
     is how C code does that: the object is allocated with its contents uninitialised,
     for its creator to fill before anyone else sees it. Doing the same here lets the
     daemon read a shard straight into the message it sends, instead of reading into
-    one buffer and joining it into the message (one copy of every byte fewer,
-    docs/grpc-throughput.md). The caller must fill every byte, keep the view to
+    one buffer and joining it into the message (one copy of every byte fewer; measured
+    in the gRPC notebook under ``docs/notes/``). The caller must fill every byte, keep the view to
     itself, release it before handing the ``bytes`` out, and never use it after.
     Sizes 0 and 1 are shared singletons in CPython, so they are refused (None).
     """

@@ -11,7 +11,7 @@ The allocation lives until the pack is freed, which the pack cache does only whe
 lease holds it; leases are tied to the client's side-channel connection, which ends
 when the client's process does, so a killed worker cannot pin GPU memory forever.
 
-**Unverified:** written without a GPU; see README, "CUDA path status".
+**Unverified:** written without a GPU; see docs/design/same-host.md, "CUDA path status".
 """
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ def _entry(e: PackEntry) -> lpb.PackEntry:
 
 #: Each pack's whole table, as the wire bytes of a ``PackGrant`` holding only its
 #: entries. Why: a pack's table never changes, and building its messages field by
-#: field was the largest part of answering a shared-memory request (~0.27 ms for 84
-#: tensors, measured; merging the cached bytes: ~0.02 ms). Weakly keyed: an evicted
+#: field was the largest part of answering a shared-memory request, and merging the
+#: cached bytes costs a small fraction of that. Weakly keyed: an evicted
 #: pack's table goes with it.
 _TABLES: weakref.WeakKeyDictionary[HostPack | CudaPack, bytes] = weakref.WeakKeyDictionary()
 _TABLES_LOCK = threading.Lock()

@@ -140,7 +140,7 @@ class LocalServer:
                 continue
             # Not threading.Thread: its start() waits until the new thread runs, so on a
             # busy host each accept waited for a core before the next connection was
-            # taken (four TP ranks on two cores: the last rank's median 6.6 -> 6.1 ms).
+            # taken (four TP ranks on two cores: the last rank waited measurably longer).
             # Nothing joins these threads: a connection's end ends its thread.
             try:
                 _thread.start_new_thread(self._serve_logged, (conn, deadline))

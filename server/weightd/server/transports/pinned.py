@@ -11,7 +11,7 @@ registrations over 4 GB and containers cap locked memory (``ulimit -l``); a refu
 is logged with the driver's reason and the pack stays pageable. Everything
 registered is unregistered before its mapping goes away.
 
-**Unverified:** written without a GPU; see README, "CUDA path status".
+**Unverified:** written without a GPU; see docs/design/same-host.md, "CUDA path status".
 """
 
 from __future__ import annotations

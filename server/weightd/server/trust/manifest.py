@@ -15,8 +15,8 @@ Why two digests: file SHA-256 is what publishers and the Hugging Face hub alread
 quote (an LFS object id *is* the file's SHA-256), so a manifest can be checked against
 them. The per-tensor digest is what the daemon re-checks each time it anchors a
 tensor for a layout, so it must be fast: BLAKE3 is cryptographic (collision resistant,
-so a trusted digest pins the bytes; xxh3 is not), runs at ~6 GB/s per core here
-against SHA-256's ~1.6, and releases the GIL; it is also the digest the daemon
+so a trusted digest pins the bytes; xxh3 is not), runs several times faster per core
+than SHA-256, and releases the GIL; it is also the digest the daemon
 already reports in ``DescribeModel``.
 
 Canonical form (what a signature covers): the manifest object without its
