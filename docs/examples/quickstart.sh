@@ -28,4 +28,4 @@ weightd list "$target"
 
 # 4. Fetch as a worker: rank 1 of 2 into a file, then from Python.
 weightd fetch "$target" --rank 1 --world-size 2 --out "$run/rank1-of-2.safetensors"
-python "$here/fetch_rank.py" "$target" --rank 0 --world-size 2
+python3 "$here/fetch_rank.py" "$target" --rank 0 --world-size 2
