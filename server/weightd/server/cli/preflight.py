@@ -20,9 +20,10 @@ from collections.abc import Iterator
 from ..base.errors import ManifestSyntaxError, UsageError, WeightdError
 from ..config import Loaded, ServeConfig
 from ..config.build import local_config
-from ..daemon.addresses import parse_address
+from ..daemon.addresses import Address, parse_address
 from ..daemon.listeners import admin_address, host_port
 from ..daemon.security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
+from ..daemon.sockets import socket_home
 from ..plan.rules_file import load_rules_file
 from ..sources.location import is_remote, parse_s3_uri
 from ..transports.options import check_config
@@ -69,11 +70,16 @@ def _flag(flag: str) -> Iterator[None]:
 
 def _check_listeners(config: ServeConfig) -> None:
     """The same address, TLS and listener policies ``create_daemon`` applies, dry."""
+    group = config.socket_group_access
     address = parse_address(config.listen)
+    if address.kind == "unix":  # a directory no socket may go in: refused here, unlogged
+        address = Address("unix", path=socket_home(address.path, group=group)[0])
     tls = read_tls(TlsFiles(config.tls.cert, config.tls.key, config.tls.client_ca))
     check_worker_listener(address, tls=tls is not None, insecure=config.insecure)
     admin = admin_address(config.admin.listen, address)
     if admin is not None:
+        if admin.kind == "unix" and config.admin.listen is not None:
+            socket_home(admin.path)
         check_admin_listener(admin, tls=tls, allowed=frozenset(config.admin.allow))
     if config.health.listen is not None:
         parse_address(config.health.listen)

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..base.errors import InvalidRequest, ModelNotFound, ModelNotReady, WeightdError
+from ..base.words import count
 from ..plan.rules import RuleTable
 from ..sources.resolver import SourceResolver
 from ..telemetry import logs
@@ -136,8 +137,12 @@ class Reloader:
         if model is not None:
             return model  # broken models too: a reload is how they come back
         if name in every:
-            raise ModelNotReady(f"model {name!r} is still being verified; reload it afterwards")
-        raise ModelNotFound(f"model {name!r} is not served here (serving: {', '.join(every)})")
+            raise ModelNotReady(
+                f"model {name!r} is still being verified; reload it afterwards", model=name
+            )
+        raise ModelNotFound(
+            f"model {name!r} is not served here (serving: {', '.join(every)})", model=name
+        )
 
     @contextlib.contextmanager
     def exclusive(self, name: str) -> Iterator[None]:
@@ -204,6 +209,6 @@ class Reloader:
                 )
                 continue
             ckpt = result.model.checkpoint
-            detail = f"{len(ckpt.tensors)} tensors, {ckpt.total_bytes} bytes"
+            detail = f"{count(len(ckpt.tensors), 'tensor')}, {ckpt.total_bytes} bytes"
             outcomes.append(ReloadOutcome(model.name, True, detail, result.seconds))
         return outcomes

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ..base.cleanup import closing
 from ..base.errors import CheckpointError, ManifestSyntaxError, WeightdError
 from ..base.readfile import ReadRefused, read_bounded
+from ..base.words import count
 from ..checkpoint.config_check import check_layout
 from ..checkpoint.description import Checkpoint
 from ..checkpoint.scan import Scan, scan_checkpoint
@@ -298,9 +299,9 @@ def _digests(
         )
     if jobs:
         log.info(
-            "hashed %s: %d shards, %.2f GiB in %.2fs (%.2f GB/s, %s)%s",
+            "hashed %s: %s, %.2f GiB in %.2fs (%.2f GB/s, %s)%s",
             ckpt.name,
-            len(jobs),
+            count(len(jobs), "shard"),
             total / (1 << 30),
             v.hash_seconds,
             total / v.hash_seconds / 1e9 if v.hash_seconds > 0 else 0.0,
@@ -308,5 +309,9 @@ def _digests(
             f"; {len(v.cached_shards)} from the hash cache" if v.cached_shards else "",
         )
     elif v.cached_shards:
-        log.info("%s: all %d shards unchanged since hashed (hash cache)", ckpt.name, len(out))
+        log.info(
+            "%s: %s unchanged since hashed (hash cache)",
+            ckpt.name,
+            "the shard" if len(out) == 1 else f"all {len(out)} shards",
+        )
     return {s: out[s] for s in ckpt.shards}
