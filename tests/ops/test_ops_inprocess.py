@@ -101,7 +101,7 @@ def test_admin_only_on_the_admin_listener_and_reload_swaps_only_on_success(
         with (
             AdminClient(daemon.target, timeout=30) as wrong,
             pytest.raises(
-                PermissionDeniedError, match="served only on the daemon's admin listener"
+                PermissionDeniedError, match=f"connect to the admin listener at {admin_target}"
             ),
         ):
             wrong.reload("llama")

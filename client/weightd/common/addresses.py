@@ -106,7 +106,9 @@ def parse_address(text: str, *, cwd: str | None = None) -> Address:
     host, sep, port_text = given.rpartition(":")
     if sep:
         if not port_text.isdigit() or int(port_text) > 65535:
-            raise AddressError(f"address {given!r}: port {port_text!r} is not 0-65535")
+            raise AddressError(
+                f"address {given!r}: port {port_text!r} is not 0-65535; give {FORMS}"
+            )
         return Address("tcp", host=host.strip("[]") or "127.0.0.1", port=int(port_text))
     if given.endswith(".sock"):
         return Address("unix", path=_absolute(given, cwd))

@@ -9,7 +9,6 @@ The worker listener answers Admin methods with PERMISSION_DENIED (:class:`~.guar
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from concurrent import futures
 from typing import Final
 
@@ -131,7 +130,9 @@ class WorkerMethods(grpc.GenericRpcHandler):
             worker=self._worker or "",
         )
 
-        def deny(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        def deny(request: bytes, context: grpc.ServicerContext) -> bytes:
             abort(context, error, method)
 
-        return grpc.stream_stream_rpc_method_handler(deny, bytes, bytes)
+        # Unary whatever the method's kind: one request read (every worker method takes
+        # one), then the status; a streaming client sees it as its stream's end.
+        return grpc.unary_unary_rpc_method_handler(deny, bytes, bytes)
