@@ -29,7 +29,9 @@ else
       "${PYTHON:-python3}" -m venv .venv
     fi
     echo "== demo: pip install ${torch_spec:+$torch_spec }. (weightd and a CPU torch; a first install takes a minute or two)" >&2
-    pip_flags=(--disable-pip-version-check)
+    # --no-compile: pip would byte-compile every module of torch (tens of seconds);
+    # Python compiles the few the demo imports when it first imports them.
+    pip_flags=(--disable-pip-version-check --no-compile)
     if [ ! -t 2 ]; then pip_flags+=(--progress-bar off); fi
     # shellcheck disable=SC2086 # an empty torch_spec is no argument at all
     "$py" -m pip install "${pip_flags[@]}" $torch_spec . >&2

@@ -36,7 +36,7 @@ from ..sources.location import default_model_name
 from ..sources.resolver import SourceResolver
 from ..telemetry import logs
 from ..telemetry.metrics import Metrics, MetricsServer, SourceMetrics, serve_metrics
-from ..transports.local_server import LocalServer, start_local_server
+from ..transports.local_server import LocalObserver, LocalServer, start_local_server
 from ..transports.options import check_config
 from ..trust.verify import VerifyOptions
 from . import lifecycle, listeners
@@ -287,6 +287,8 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)
+            if metrics is not None:
+                daemon.local.observer = LocalObserver(metrics, listeners.model_resolver(registry))
         if metrics_registry is not None:
             adapter_service.metrics = adapter_metrics(
                 metrics_registry, adapter_service, daemon.local

@@ -43,9 +43,11 @@ def load_observed(
     try:
         model = load_model(directory, name, tables, options=options)
     except BaseException as exc:
+        if not isinstance(exc, Exception):
+            raise  # a signal stopping start-up, or the interpreter exiting: a cancel
         seconds = time.monotonic() - started
         reason = failure_reason(exc)
-        if metrics is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if metrics is not None:
             metrics.verify_failures.labels(name, reason).inc()
         # The error itself is reported once, by whoever handles it: the CLI's one line
         # at start-up, the ``reload`` event and the RPC status on a reload.
