@@ -238,3 +238,60 @@ def test_verify_with_a_bad_signature_does_not_say_none_given(tmp_path: Path) -> 
     assert "trust      NOT ESTABLISHED" in done.stdout
     plain = _weightd("verify", str(model))  # and with no trust asked for, it says so
     assert plain.returncode == 0 and "trust      none given" in plain.stdout
+
+
+# --- issue #39 point 6: every start-up check before the first log line and bind -----
+
+
+@pytest.mark.parametrize("case", ["bad-header", "wrong-layout", "s3-without-boto3"])
+def test_serve_checks_models_and_extras_before_logging_or_binding(
+    tmp_path: Path, case: str
+) -> None:
+    """A checkpoint that cannot be served, or an s3:// model without boto3, is one line
+    before ``start`` is logged or a socket bound (the digests come after: they take time)."""
+    from weightd.server.cli.demo import DEMO_CONFIG, write_llama_checkpoint
+
+    model = tmp_path / "model"
+    blocked = ""
+    if case == "s3-without-boto3":
+        source, named = "s3://bucket/models/llama/", "boto3"
+        blocked = "sys.modules['boto3'] = None"  # as if the s3 extra were not installed
+    else:
+        write_llama_checkpoint(str(model), DEMO_CONFIG, shards=1)
+        source = str(model)
+        if case == "bad-header":
+            (shard,) = model.glob("*.safetensors")
+            shard.write_bytes(b"\xff" * 64)
+            named = shard.name
+        else:
+            config = json.loads((model / "config.json").read_text())
+            config["hidden_size"] *= 2
+            (model / "config.json").write_text(json.dumps(config))
+            named = str(model)
+    run = tmp_path / "run"
+    script = textwrap.dedent(
+        f"""
+        import sys
+        {blocked}
+        from weightd.server.cli.main import main
+        sys.exit(main(["serve", "--model", {source!r}, "--listen", "unix://{run}/w.sock"]))
+        """
+    )
+    env = dict(os.environ, WEIGHTD_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the daemon served instead of refusing:\n{out}")
+    assert proc.returncode == 1, out
+    (line,) = out.splitlines()
+    assert line.startswith("weightd serve: error: ") and named in line, line
+    assert not run.exists()

@@ -72,6 +72,9 @@ class VerifyOptions:
     #: Compute each shard's SHA-256. None: only when a manifest or the cache blob
     #: names will be compared with it (serving itself needs the per-tensor BLAKE3 only).
     file_sha256: bool | None = None
+    #: Hash at all. False: every check but the digests (trust files, structure, layout),
+    #: which ``weightd serve`` runs before its first log line; the digests come after.
+    digests: bool = True
 
     def manifest_for(self, name: str) -> str | None:
         return self.manifests.get(name) or self.manifests.get("")
@@ -190,6 +193,9 @@ def verify_checkpoint(
     ckpt = scan.checkpoint
     if ckpt is None or v.problems or not trusted:
         v.notes.append("digests not computed: fix the problems above first")
+        return v
+    if not options.digests:
+        v.notes.append("digests not computed: structure only, as asked")
         return v
     need_sha256 = options.file_sha256
     if need_sha256 is None:
