@@ -108,8 +108,7 @@ def test_shared_memory_fetches_are_counted_with_transport_shm(
         local = "weightd.v1.Local"
         assert value("weightd_rpcs_total", service=local, method="AcquirePack", code="OK") == 2
         assert (
-            value("weightd_rpcs_total", service=local, method="AcquirePack", code="NOT_FOUND")
-            == 1
+            value("weightd_rpcs_total", service=local, method="AcquirePack", code="NOT_FOUND") == 1
         )
         served = value("weightd_served_bytes_total", transport="shm", model="llama")
         assert served is not None and whole < served < 2 * whole  # rank 1 whole, 3 of rank 0
