@@ -1,9 +1,12 @@
 """The weightd client: ``WeightClient(target).fetch(rank, world_size)``.
 
-Imports only grpcio, protobuf and torch (plus the standard library), so a worker
-needs none of the daemon's dependencies. torch loads with the first call that makes
-tensors (and with the names below that need it), not with the package: ``weightd
-list`` and ``describe`` take a fraction of a second instead of torch's import time.
+Imports only grpcio, protobuf, googleapis-common-protos (the errors' detail, read
+lazily) and torch (plus the standard library), so a worker needs none of the daemon's
+dependencies. Every failure is a typed :class:`WeightdError` (``docs/guides/errors.md``);
+every address follows one rule (``docs/guides/addresses.md``). torch loads with the
+first call that makes tensors (and with the names below that need it), not with the
+package: ``weightd list`` and ``describe`` take a fraction of a second instead of
+torch's import time.
 """
 
 import importlib
