@@ -103,7 +103,7 @@ class Metrics:
             fetch_seconds=Histogram(
                 "weightd_fetch_duration_seconds",
                 "Duration of fetches that completed OK, by transport (grpc: the Fetch stream; "
-                "shm, cuda_ipc: the side channel's grant, built and sent).",
+                "shm, cuda_ipc: from the side channel's request to its grant, pack built).",
                 ["transport"],
                 buckets=FETCH_BUCKETS,
                 registry=registry,

@@ -243,10 +243,10 @@ class LocalServer:
             started = time.monotonic()
             outcome = self.service.handle(request)
             lease = outcome.lease
+            if self.observer is not None:  # before the answer: a client reads the metrics next
+                self.observer.answered(request, outcome.response, time.monotonic() - started)
             conn.settimeout(self.request_timeout)  # the whole answer (sendall), however big
             send_frame(conn, outcome.response.SerializeToString(), outcome.fds)
-            if self.observer is not None:
-                self.observer.answered(request, outcome.response, time.monotonic() - started)
             if lease is None:
                 return
             log.debug("pid %d holds a lease on pack %d", pid, lease.pack_id)
