@@ -295,3 +295,79 @@ def test_serve_checks_models_and_extras_before_logging_or_binding(
     (line,) = out.splitlines()
     assert line.startswith("weightd serve: error: ") and named in line, line
     assert not run.exists()
+
+
+def test_fetch_help_describes_every_option() -> None:
+    done = _weightd("fetch", "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    for needle in (
+        "--rank RANK this worker's tensor-parallel rank",
+        "--world-size WORLD_SIZE tensor-parallel size",
+        "--model MODEL the served model's name",
+        "--timeout SECONDS bound on each call",
+        "--pp N pipeline stages",
+        "--ep N expert-parallel size",
+        "--target ADDRESS",
+    ):
+        assert needle in text, needle
+
+
+def test_fetch_takes_a_pipeline_stage(demo_daemon: RunningDaemon, tmp_path: Path) -> None:
+    """``weightd fetch --pp/--pp-rank`` (as ``plan`` has): the last stage's share only."""
+    from safetensors import safe_open
+
+    out = tmp_path / "stage1.safetensors"
+    done = _weightd(
+        "fetch", demo_daemon.target, "--rank", "0", "--world-size", "1", "--pp", "2",
+        "--pp-rank", "1", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "tp 0/1, pp 1/2" in done.stdout, done.stdout
+    with safe_open(str(out), "pt") as f:
+        names = set(f.keys())
+        assert f.metadata()["weightd_layout"]
+    assert "lm_head.weight" in names and "model.norm.weight" in names
+    assert not any(n.startswith(("model.layers.0.", "model.layers.1.")) for n in names)
+    assert "model.embed_tokens.weight" not in names
+
+
+def test_fetch_shows_progress_on_a_terminal(demo_daemon: RunningDaemon, tmp_path: Path) -> None:
+    """On a terminal, stderr shows what fetch is doing (it was silent for seconds) and the
+    line is cleared at the end; stdout keeps only the result."""
+    import pty
+
+    leader, follower = pty.openpty()
+    out = tmp_path / "r0.safetensors"
+    try:
+        done = subprocess.run(
+            weightd_command(
+                "fetch", demo_daemon.target, "--rank", "0", "--world-size", "2", "--out", str(out)
+            ),
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            text=True,
+            timeout=120,
+        )
+        os.close(follower)
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(leader)
+    assert done.returncode == 0
+    text = shown.decode()
+    assert "weightd fetch: connecting (tp 0/2 from unix://" in text, text
+    assert f"weightd fetch: writing {out}" in text
+    assert text.endswith("\r")  # cleared, not left behind
+    assert done.stdout.startswith("wrote 39 tensors")
+    piped = _weightd(
+        "fetch", demo_daemon.target, "--rank", "0", "--world-size", "2", "--out", str(out)
+    )
+    assert "connecting" not in piped.stderr  # not a terminal: nothing drawn

@@ -54,7 +54,7 @@ class FetchProgress:
             if not force and now - self._last < REDRAW_SECONDS:
                 return
             self._last = now
-            line = f"weightd fetch {self.label}: {what}"[:160]
+            line = f"weightd fetch: {what} ({self.label})"[:160]  # what first: the label is long
             pad = " " * max(0, self._width - len(line))
             self.stream.write(f"\r{line}{pad}")
             self.stream.flush()
