@@ -311,7 +311,7 @@ def test_wrong_socket_names_the_right_one(tmp_path: Path) -> None:
         """
         import sys
         from weightd.client import AdminClient, WeightClient
-        from weightd.client.errors import AdminOnly, WorkerOnly
+        from weightd.client.errors import AdminOnly, NotWeightd, WorkerOnly
         worker, admin = sys.argv[1], sys.argv[2]
         try:
             WeightClient(admin, timeout=30).list_models()
@@ -321,6 +321,10 @@ def test_wrong_socket_names_the_right_one(tmp_path: Path) -> None:
             AdminClient(worker, timeout=30).reload()
         except AdminOnly as e:
             print("admin-on-worker", e.metadata.get("admin"), "|", e)
+        try:
+            WeightClient(worker + ".local", timeout=30).list_models()
+        except NotWeightd as e:
+            print("side-socket |", e)
         """
     )
     with _serve(tmp_path, ["--listen", str(work / "w.sock")]) as (worker, admin):
@@ -335,6 +339,7 @@ def test_wrong_socket_names_the_right_one(tmp_path: Path) -> None:
         assert lines[0].startswith(f"worker-on-admin {worker} |") and worker in lines[0]
         assert "Method not found" not in done.stdout
         assert lines[1].startswith(f"admin-on-worker {admin} |")
+        assert lines[2].startswith("side-socket |") and f"give {worker}" in lines[2], lines
         cli = subprocess.run(
             weightd_command("list", admin), capture_output=True, text=True, timeout=60
         )

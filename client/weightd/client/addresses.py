@@ -36,6 +36,7 @@ from .errors import (
     WeightdError,
     from_rpc_error,
 )
+from .transports import SIDE_SOCKET_SUFFIX
 
 #: Substrings of gRPC's UNAVAILABLE details that mean no connection was made, as
 #: opposed to a daemon that answered UNAVAILABLE itself (a model still verifying).
@@ -108,6 +109,13 @@ def peer_error(target: str, code: grpc.StatusCode, detail: str) -> WeightdError 
         return None
     lowered = detail.lower()
     if not_connected(detail) and any(s in lowered for s in _NOT_GRPC):
+        path = unix_path(target)
+        if path is not None and path.endswith(SIDE_SOCKET_SUFFIX):
+            return NotWeightd(
+                f"{path} is the daemon's side socket (shared memory), not its gRPC socket: "
+                f"give unix://{path.removesuffix(SIDE_SOCKET_SUFFIX)}",
+                reason="NotWeightd",
+            )
         return NotWeightd(
             f"the peer at {target} is not a weightd daemon (it does not speak gRPC): check "
             "the address; a daemon logs its own in a 'listening' line",
