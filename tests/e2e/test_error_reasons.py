@@ -197,7 +197,7 @@ def test_a_grpc_peer_without_the_method_is_said_plainly(plain_server: str) -> No
         pytest.raises(ce.MethodNotServed) as info,
     ):
         client.list_models()
-    assert "not a daemon's worker listener" in str(info.value)
+    assert "the admin socket of one, or not a weightd daemon" in str(info.value)
     assert isinstance(info.value, ce.UnimplementedError)
 
 

@@ -99,9 +99,9 @@ def peer_error(target: str, code: grpc.StatusCode, detail: str) -> WeightdError 
     """
     if code is grpc.StatusCode.UNIMPLEMENTED and "method not found" in detail.lower():
         return MethodNotServed(
-            f"the server at {target} does not serve this weightd call ({detail}): it is "
-            "not a daemon's worker listener. Workers connect to the worker socket (the "
-            "'listening listener=worker' line; default "
+            f"the server at {target} does not serve this call ({detail}): a daemon older "
+            "than this client, the admin socket of one, or not a weightd daemon. Workers "
+            "connect to the worker socket (the 'listening listener=worker' line; default "
             f"unix://{default_socket_path()}); admin calls go to its admin.sock",
             reason="MethodNotServed",
         )
