@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets up .venv for weightd development: torch's CPU build, then weightd with [dev] extras
-# (editable). Idempotent and quick when nothing changed. Sourced by .ci/test.sh and
-# deploy/demo.sh; safe to run by itself.
+# Quick start (2): sets up .venv for weightd development: torch's CPU build, then weightd
+# with [dev] extras (editable), Debian's prometheus for tests/ops, and .venv-vllm.
+# Idempotent and quick when nothing changed. Run by .ci/test.sh; safe to run by itself.
+# (deploy/demo.sh, quick start (1), installs only the package and torch: no dev tools.)
 #
 # Progress goes to stderr: one "== setup:" line per step, then pip's own lines
 # (Collecting, Downloading, Installing; not -q, which hid minutes of work). Lines for
@@ -32,8 +33,10 @@ pip_install() { pip_install_in .venv "$@"; }
 if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     step "installing Debian's prometheus package (prometheus, promtool)"
-    apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >&2
+    # shellcheck source=.ci/apt-lock.sh
+    . .ci/apt-lock.sh # waits for the dpkg lock (unattended upgrades) with a bound
+    apt_get update -qq >&2
+    apt_get install -y -qq --no-install-recommends prometheus >&2
   else
     echo "warning: prometheus/promtool missing and not root: tests/ops will fail" >&2
   fi

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Quick start (1): set everything up, serve the built-in demo checkpoint, and fetch from it
+# Quick start (1): install weightd, serve the built-in demo checkpoint, and fetch from it
 # the way an inference worker does. The daemon keeps serving until Ctrl-C
 # (pass --once to stop right after the client fetch).
+#
+# The set-up installs only what the demo needs, into .venv: the package from this clone
+# and a CPU torch, in one `pip install torch==2.13.0 .` whose progress pip shows itself.
+# No dev tools, no apt, no root (the development set-up is .ci/setup.sh, quick start 2).
+# WEIGHTD_TORCH_SPEC picks another torch ("" keeps the one installed); pip's own settings
+# (PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, e.g. PyTorch's CPU index) apply as usual.
 #
 # The demo's daemon listens on a socket of its own, in a fresh 0700 directory, so another
 # weightd on the default socket is neither used nor disturbed (WEIGHTD_DEMO_SOCKET names a
@@ -12,9 +18,25 @@ cd "$(dirname "$0")/.."
 if [ -n "${WEIGHTD_PYTHON:-}" ]; then
   py=$WEIGHTD_PYTHON
 else
-  # The demo needs no vLLM: skip its venv unless asked (WEIGHTD_VLLM=1).
-  WEIGHTD_VLLM=${WEIGHTD_VLLM:-0} bash .ci/setup.sh
   py=.venv/bin/python
+  torch_spec=${WEIGHTD_TORCH_SPEC-torch==2.13.0}
+  stamp=$( (echo "$torch_spec"; cat pyproject.toml; git rev-parse HEAD 2>/dev/null || true) | sha256sum | cut -c1-16)
+  if [ -f .venv/.weightd-setup ] || [ "$(cat .venv/.weightd-demo 2>/dev/null || true)" = "$stamp" ]; then
+    echo "== demo: .venv already has weightd (skipping the install)" >&2
+  else
+    if [ ! -x "$py" ]; then
+      echo "== demo: creating .venv with ${PYTHON:-python3}" >&2
+      "${PYTHON:-python3}" -m venv .venv
+    fi
+    echo "== demo: pip install ${torch_spec:+$torch_spec }. (weightd and a CPU torch; a first install takes a minute or two)" >&2
+    # --no-compile: pip would byte-compile every module of torch (tens of seconds);
+    # Python compiles the few the demo imports when it first imports them.
+    pip_flags=(--disable-pip-version-check --no-compile)
+    if [ ! -t 2 ]; then pip_flags+=(--progress-bar off); fi
+    # shellcheck disable=SC2086 # an empty torch_spec is no argument at all
+    "$py" -m pip install "${pip_flags[@]}" $torch_spec . >&2
+    echo "$stamp" > .venv/.weightd-demo
+  fi
 fi
 weightd() { "$py" -m weightd.server.cli.main "$@"; }
 

@@ -238,3 +238,136 @@ def test_verify_with_a_bad_signature_does_not_say_none_given(tmp_path: Path) -> 
     assert "trust      NOT ESTABLISHED" in done.stdout
     plain = _weightd("verify", str(model))  # and with no trust asked for, it says so
     assert plain.returncode == 0 and "trust      none given" in plain.stdout
+
+
+# --- issue #39 point 6: every start-up check before the first log line and bind -----
+
+
+@pytest.mark.parametrize("case", ["bad-header", "wrong-layout", "s3-without-boto3"])
+def test_serve_checks_models_and_extras_before_logging_or_binding(
+    tmp_path: Path, case: str
+) -> None:
+    """A checkpoint that cannot be served, or an s3:// model without boto3, is one line
+    before ``start`` is logged or a socket bound (the digests come after: they take time)."""
+    from weightd.server.cli.demo import DEMO_CONFIG, write_llama_checkpoint
+
+    model = tmp_path / "model"
+    blocked = ""
+    if case == "s3-without-boto3":
+        source, named = "s3://bucket/models/llama/", "boto3"
+        blocked = "sys.modules['boto3'] = None"  # as if the s3 extra were not installed
+    else:
+        write_llama_checkpoint(str(model), DEMO_CONFIG, shards=1)
+        source = str(model)
+        if case == "bad-header":
+            (shard,) = model.glob("*.safetensors")
+            shard.write_bytes(b"\xff" * 64)
+            named = shard.name
+        else:
+            config = json.loads((model / "config.json").read_text())
+            config["hidden_size"] *= 2
+            (model / "config.json").write_text(json.dumps(config))
+            named = str(model)
+    run = tmp_path / "run"
+    script = textwrap.dedent(
+        f"""
+        import sys
+        {blocked}
+        from weightd.server.cli.main import main
+        sys.exit(main(["serve", "--model", {source!r}, "--listen", "unix://{run}/w.sock"]))
+        """
+    )
+    env = dict(os.environ, WEIGHTD_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the daemon served instead of refusing:\n{out}")
+    assert proc.returncode == 1, out
+    (line,) = out.splitlines()
+    assert line.startswith("weightd serve: error: ") and named in line, line
+    assert not run.exists()
+
+
+def test_fetch_help_describes_every_option() -> None:
+    done = _weightd("fetch", "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    for needle in (
+        "--rank RANK this worker's tensor-parallel rank",
+        "--world-size WORLD_SIZE tensor-parallel size",
+        "--model MODEL the served model's name",
+        "--timeout SECONDS bound on each call",
+        "--pp N pipeline stages",
+        "--ep N expert-parallel size",
+        "--target ADDRESS",
+    ):
+        assert needle in text, needle
+
+
+def test_fetch_takes_a_pipeline_stage(demo_daemon: RunningDaemon, tmp_path: Path) -> None:
+    """``weightd fetch --pp/--pp-rank`` (as ``plan`` has): the last stage's share only."""
+    from safetensors import safe_open
+
+    out = tmp_path / "stage1.safetensors"
+    done = _weightd(
+        "fetch", demo_daemon.target, "--rank", "0", "--world-size", "1", "--pp", "2",
+        "--pp-rank", "1", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "tp 0/1, pp 1/2" in done.stdout, done.stdout
+    with safe_open(str(out), "pt") as f:
+        names = set(f.keys())
+        assert f.metadata()["weightd_layout"]
+    assert "lm_head.weight" in names and "model.norm.weight" in names
+    assert not any(n.startswith(("model.layers.0.", "model.layers.1.")) for n in names)
+    assert "model.embed_tokens.weight" not in names
+
+
+def test_fetch_shows_progress_on_a_terminal(demo_daemon: RunningDaemon, tmp_path: Path) -> None:
+    """On a terminal, stderr shows what fetch is doing (it was silent for seconds) and the
+    line is cleared at the end; stdout keeps only the result."""
+    import pty
+
+    leader, follower = pty.openpty()
+    out = tmp_path / "r0.safetensors"
+    try:
+        done = subprocess.run(
+            weightd_command(
+                "fetch", demo_daemon.target, "--rank", "0", "--world-size", "2", "--out", str(out)
+            ),
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            text=True,
+            timeout=120,
+        )
+        os.close(follower)
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(leader)
+    assert done.returncode == 0
+    text = shown.decode()
+    assert "weightd fetch: connecting (tp 0/2 from unix://" in text, text
+    assert f"weightd fetch: writing {out}" in text
+    assert text.endswith("\r")  # cleared, not left behind
+    assert done.stdout.startswith("wrote 39 tensors")
+    piped = _weightd(
+        "fetch", demo_daemon.target, "--rank", "0", "--world-size", "2", "--out", str(out)
+    )
+    assert "connecting" not in piped.stderr  # not a terminal: nothing drawn

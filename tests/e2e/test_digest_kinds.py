@@ -249,7 +249,7 @@ def test_an_old_daemon_that_does_not_rehash_leaves_the_clients_own_refusal(
                 _assert_exact(client.fetch(1, WORLD, transport="grpc"), model, 1)
             _rewrite_in_place(model, d)
             report = _refused(old.target, "blake3", "received bytes hash to blake3:")
-            assert report.error == "DigestMismatchError"
+            assert report.error == "DigestMismatch"
             assert (report.streams, report.rechecks) == (2, 1)
             assert [r.rehash for r in old.requests] == [False, False, True]  # it did ask
             assert _state(d.target) == "ready"

@@ -87,6 +87,36 @@ def test_metrics_follow_rpcs_and_memory(tmp_path: Path, demo_model: Path) -> Non
         assert value("weightd_gpu_allocated_bytes", device="cuda:0") is None
 
 
+def test_shared_memory_fetches_are_counted_with_transport_shm(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    """The default on one host: each grant in the same series as a gRPC Fetch, labelled
+    transport="shm", with the granted tensors' bytes (issue #39, point 6)."""
+    with daemon_in_process(tmp_path, [("llama", str(demo_model))]) as (daemon, reg):
+        with WeightClient(daemon.target, timeout=60) as client:
+            state, info = client.fetch_with_info(1, 2, transport="shm")
+            assert info.transport == "shm"
+            names = sorted(state)[:3]
+            client.fetch(0, 2, transport="shm", names=names)
+            with pytest.raises(NotFoundError):
+                client.fetch(0, 2, model="nope", transport="shm")
+        whole = sum(t.numel() * t.element_size() for t in state.values())
+
+        def value(name: str, **labels: str) -> float | None:
+            return reg.get_sample_value(name, labels)
+
+        local = "weightd.v1.Local"
+        assert value("weightd_rpcs_total", service=local, method="AcquirePack", code="OK") == 2
+        assert (
+            value("weightd_rpcs_total", service=local, method="AcquirePack", code="NOT_FOUND") == 1
+        )
+        served = value("weightd_served_bytes_total", transport="shm", model="llama")
+        assert served is not None and whole < served < 2 * whole  # rank 1 whole, 3 of rank 0
+        assert value("weightd_fetch_duration_seconds_count", transport="shm") == 2
+        assert value("weightd_served_bytes_total", transport="shm", model="nope") is None
+        assert value("weightd_rpcs_total", service=WEIGHTS, method="Fetch", code="OK") is None
+
+
 def test_admin_only_on_the_admin_listener_and_reload_swaps_only_on_success(
     tmp_path: Path, demo_model: Path
 ) -> None:
@@ -101,7 +131,7 @@ def test_admin_only_on_the_admin_listener_and_reload_swaps_only_on_success(
         with (
             AdminClient(daemon.target, timeout=30) as wrong,
             pytest.raises(
-                PermissionDeniedError, match="served only on the daemon's admin listener"
+                PermissionDeniedError, match=f"connect to the admin listener at {admin_target}"
             ),
         ):
             wrong.reload("llama")

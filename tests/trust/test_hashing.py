@@ -242,3 +242,42 @@ def test_file_sha256_only_when_something_compares_it(tmp_path: Path) -> None:
     again = verify_checkpoint(str(d), None, options)
     again.store.close()
     assert again.ok and sorted(again.cached_shards) == [craft.SHARD1, craft.SHARD2]
+
+
+class _Stop(BaseException):
+    """What a signal handler raises in the main thread to stop start-up."""
+
+
+def test_a_signal_during_hashing_stops_every_shard_at_once(tmp_path: Path) -> None:
+    """Ctrl-C while start-up hashes: the pass ends within a block, shards not started are
+    dropped, and progress never reaches 100 % (it used to hash everything first)."""
+    import signal
+    import threading
+    import time
+
+    jobs = []
+    for i in range(4):
+        path = tmp_path / f"s{i}"
+        with open(path, "wb") as f:
+            f.truncate(8 << 20)  # sparse: no disk, eight 1 MiB blocks each
+        jobs.append(_job(path, [(0, 8 << 20)]))
+    seen: list[int] = []
+    progress = Progress(32 << 20, lambda done, total: (seen.append(done), time.sleep(0.05)))
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise _Stop
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    started = time.monotonic()
+    try:
+        with pytest.raises(_Stop):
+            hash_shards(jobs, threads=2, progress=progress, block_bytes=1 << 20)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        for job in jobs:
+            os.close(job.fd)
+    assert time.monotonic() - started < 1.5  # all of it would take 32 x 0.05 / 2 = 0.8 s more
+    assert max(seen) < 32 << 20
+    assert not [t for t in threading.enumerate() if t.name.startswith("weightd-hash")]

@@ -112,7 +112,7 @@ def test_a_wrong_checkpoint_a_daemon_down_and_an_unknown_model_are_refused(
     [down] = checks["daemon_down"]
     assert down["error"].startswith(
         f"WeightdLoadError: weightd at {DOWN}, model (the "
-        "daemon's only model), layout tp 0/1: daemon unreachable or not serving yet: "
+        "daemon's only model), layout tp 0/1: no daemon at the target: "
     )
     [missing] = checks["not_served"]
     assert missing["error"].startswith(
@@ -126,7 +126,7 @@ def test_fallback_disk_loads_with_vllms_loader_and_says_so(engine: Engine) -> No
     fallback = result["fallback"]
     [report] = fallback["reports"]
     assert report["fallback"].startswith(
-        f"weightd at {DOWN}, model (the daemon's only model), layout tp 0/1: daemon unreachable"
+        f"weightd at {DOWN}, model (the daemon's only model), layout tp 0/1: no daemon at the"
     )
     assert f"weightd FALLBACK: weightd at {DOWN}" in result["log"]
     assert "loading " in result["log"] and "from disk with vLLM's default loader" in result["log"]

@@ -1,9 +1,12 @@
 """The weightd client: ``WeightClient(target).fetch(rank, world_size)``.
 
-Imports only grpcio, protobuf and torch (plus the standard library), so a worker
-needs none of the daemon's dependencies. torch loads with the first call that makes
-tensors (and with the names below that need it), not with the package: ``weightd
-list`` and ``describe`` take a fraction of a second instead of torch's import time.
+Imports only grpcio, protobuf, googleapis-common-protos (the errors' detail, read
+lazily) and torch (plus the standard library), so a worker needs none of the daemon's
+dependencies. Every failure is a typed :class:`WeightdError` (``docs/guides/errors.md``);
+every address follows one rule (``docs/guides/addresses.md``). torch loads with the
+first call that makes tensors (and with the names below that need it), not with the
+package: ``weightd list`` and ``describe`` take a fraction of a second instead of
+torch's import time.
 """
 
 import importlib
@@ -13,18 +16,44 @@ from .client import WeightClient
 from .descriptions import FileDigest, ModelDescription, ModelInfo, TensorInfo
 from .errors import (
     AbortedError,
+    AccessDenied,
+    AdapterInvalid,
+    AdapterNotFound,
+    AdminOnly,
+    CheckpointInvalid,
+    DaemonUnreachable,
     DataLossError,
     DeadlineExceededError,
+    DigestMismatch,
     DigestMismatchError,
     FailedPreconditionError,
+    InternalError,
     InvalidArgumentError,
+    InvalidRequest,
+    LayoutRefused,
+    LayoutUnsupported,
+    LimitExceeded,
+    ManifestRefused,
+    MethodNotServed,
+    ModelBroken,
+    ModelChanged,
+    ModelNotFound,
     NotFoundError,
+    NotServing,
+    NotWeightd,
+    ObjectStoreFailed,
     PermissionDeniedError,
     ResourceExhaustedError,
+    SignatureRefused,
+    StaleGrant,
+    TensorNotFound,
+    TransportUnavailable,
     UnauthenticatedError,
     UnavailableError,
+    UnimplementedError,
     VocabPadUnsupportedError,
     WeightdError,
+    WorkerOnly,
 )
 from .layout import Layout
 from .retry import RetryPolicy, RetryStats
@@ -50,18 +79,38 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AbortedError",
+    "AccessDenied",
+    "AdapterInvalid",
+    "AdapterNotFound",
     "AdminClient",
+    "AdminOnly",
+    "CheckpointInvalid",
+    "DaemonUnreachable",
     "DataLossError",
     "DeadlineExceededError",
+    "DigestMismatch",
     "DigestMismatchError",
     "FailedPreconditionError",
     "FetchInfo",
     "FileDigest",
+    "InternalError",
     "InvalidArgumentError",
+    "InvalidRequest",
     "Layout",
+    "LayoutRefused",
+    "LayoutUnsupported",
+    "LimitExceeded",
+    "ManifestRefused",
+    "MethodNotServed",
+    "ModelBroken",
+    "ModelChanged",
     "ModelDescription",
     "ModelInfo",
+    "ModelNotFound",
     "NotFoundError",
+    "NotServing",
+    "NotWeightd",
+    "ObjectStoreFailed",
     "PackRef",
     "PermissionDeniedError",
     "ReloadResult",
@@ -69,12 +118,18 @@ __all__ = [
     "ResumeReport",
     "RetryPolicy",
     "RetryStats",
+    "SignatureRefused",
+    "StaleGrant",
     "TensorInfo",
+    "TensorNotFound",
     "TransportFailure",
+    "TransportUnavailable",
     "UnauthenticatedError",
     "UnavailableError",
+    "UnimplementedError",
     "VocabPadUnsupportedError",
     "WeightClient",
     "WeightdError",
+    "WorkerOnly",
     "tls_credentials",
 ]

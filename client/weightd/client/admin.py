@@ -11,11 +11,12 @@ from typing import Any
 
 import grpc
 
+from weightd.common.sockets import default_admin_path
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from .adapters import AdapterStatus, status_of
-from .errors import from_rpc_error
+from .addresses import connect_target, from_call
 
 
 @dataclass(frozen=True)
@@ -27,15 +28,21 @@ class ReloadResult:
 
 
 class AdminClient:
-    """``AdminClient("unix:///run/weightd/admin.sock").reload("llama")``."""
+    """``AdminClient("/run/weightd/admin.sock").reload("llama")``.
+
+    ``target`` by the same rule as :class:`~weightd.client.WeightClient`'s; None: the
+    admin socket beside the default worker socket. Aimed at the worker socket, every
+    call is :class:`~weightd.client.errors.AdminOnly`, naming the admin listener.
+    """
 
     def __init__(
         self,
-        target: str,
+        target: str | None = None,
         *,
         timeout: float | None = None,
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        target = connect_target(target if target is not None else default_admin_path())
         if credentials is None:
             self._channel = grpc.insecure_channel(target)
         else:
@@ -49,7 +56,7 @@ class AdminClient:
         try:
             r = self._stub.Reload(pb.ReloadRequest(model=model or ""), timeout=self.timeout)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise from_call(exc, self.target) from None
         return ReloadResult(r.model, r.num_tensors, r.total_bytes, r.verify_seconds)
 
     def load_adapter(
@@ -89,7 +96,7 @@ class AdminClient:
         try:
             return method(request, timeout=self.timeout)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise from_call(exc, self.target) from None
 
     def close(self) -> None:
         """Close the channel (also done by ``with AdminClient(...)``)."""

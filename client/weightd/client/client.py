@@ -31,8 +31,9 @@ from weightd.common.digests import SLICE_DIGEST_ALGORITHM
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
+from .addresses import connect_target, from_call, said_plainly
 from .descriptions import ModelDescription, ModelInfo, description_of, model_info_of
-from .errors import InvalidArgumentError, from_rpc_error
+from .errors import InvalidArgumentError
 from .fetchwire import RawFetchStub
 from .hashers import available_kinds, preferred_kind
 from .layout import Layout
@@ -59,9 +60,15 @@ MAX_MESSAGE_BYTES = 16 << 20
 class WeightClient:
     """A connection to one weightd daemon.
 
-    ``target`` is any gRPC target string: ``unix:///run/weightd/weightd.sock``,
-    ``localhost:7070``, ``dns:///host:7070``. ``timeout`` bounds each call in seconds.
-    Pass ``credentials`` (``grpc.ssl_channel_credentials(...)``) for TLS.
+    ``target``: the daemon's address by the one rule every weightd command uses
+    (:mod:`weightd.common.addresses`): a socket path (``/run/weightd/weightd.sock``,
+    ``./my.sock``), ``unix:///PATH``, ``HOST:PORT``, or a gRPC target
+    (``dns:///host:7070``); None: the daemon's default socket. No daemon there, a
+    peer that is not one, or the admin socket instead of the worker one is one line
+    naming the fix (:class:`~weightd.client.errors.DaemonUnreachable`,
+    :class:`~weightd.client.errors.NotWeightd`,
+    :class:`~weightd.client.errors.WorkerOnly`). ``timeout`` bounds each call in
+    seconds. Pass ``credentials`` (``grpc.ssl_channel_credentials(...)``) for TLS.
 
     ``retry`` (a :class:`~weightd.client.retry.RetryPolicy`; None: no retries) retries
     calls refused with RESOURCE_EXHAUSTED or UNAVAILABLE, with exponential backoff and
@@ -87,7 +94,7 @@ class WeightClient:
 
     def __init__(
         self,
-        target: str,
+        target: str | None = None,
         *,
         timeout: float | None = None,
         credentials: grpc.ChannelCredentials | None = None,
@@ -128,7 +135,8 @@ class WeightClient:
         #: Extra connections for ``fetch(..., streams=N)``: stream i > 0 uses the i-th.
         self._stream_channels: list[tuple[grpc.Channel, RawFetchStub]] = []
         self._stream_lock = threading.Lock()
-        self.target = target
+        #: The gRPC target the address given resolved to (``unix:///abs/path``, ...).
+        self.target = connect_target(target)
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self.retry = retry
@@ -229,19 +237,20 @@ class WeightClient:
         """
         from .adapters import fetch_adapter_via
 
-        return fetch_adapter_via(
-            self.target,
-            self._stub,
-            name,
-            rank,
-            world_size,
-            transport=transport,
-            device=device,
-            copy=copy,
-            verify=verify,
-            timeout=self.timeout,
-            chunk_bytes=self.chunk_bytes,
-        )
+        with said_plainly(self.target):
+            return fetch_adapter_via(
+                self.target,
+                self._stub,
+                name,
+                rank,
+                world_size,
+                transport=transport,
+                device=device,
+                copy=copy,
+                verify=verify,
+                timeout=self.timeout,
+                chunk_bytes=self.chunk_bytes,
+            )
 
     def watch_adapters(self, timeout: float | None = None) -> AdapterWatch:
         """Adapter events: a load for each adapter loaded now, then every change in order."""
@@ -256,7 +265,7 @@ class WeightClient:
             try:
                 return method(request, timeout=self.timeout)
             except grpc.RpcError as exc:
-                raise from_rpc_error(exc) from None
+                raise from_call(exc, self.target) from None
 
         return self._retried(call)
 
@@ -389,7 +398,8 @@ class WeightClient:
         # The gRPC path retries (and resumes) by itself; only an explicit same-host
         # transport, which never falls back to gRPC, is retried as a whole.
         local_only = transport in ("shm", "cuda_ipc")
-        state, info = self._retried(negotiate) if local_only else negotiate()
+        with said_plainly(self.target):
+            state, info = self._retried(negotiate) if local_only else negotiate()
         self.last_fetch = info
         return state, info
 

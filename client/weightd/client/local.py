@@ -25,7 +25,13 @@ from weightd.common.frames import MAX_REQUEST_FRAME_BYTES, FrameError, recv_fram
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 
-from .errors import ResourceExhaustedError, UnavailableError, WeightdError, error_for
+from .errors import (
+    MAX_FIELDS,
+    ResourceExhaustedError,
+    UnavailableError,
+    WeightdError,
+    error_for,
+)
 from .transports import AdapterRef, PackRef
 
 #: Connecting and reading the hello take no longer than this.
@@ -60,9 +66,7 @@ class LocalConnection:
             raise self._broken("decoding the hello", exc) from None
         if hello.HasField("refused"):
             err = hello.refused
-            raise error_for(
-                err.code, err.detail, transport=self.transport if err.transport else None
-            )
+            raise local_error(err, self.transport)
         return hello
 
     def _broken(self, what: str, exc: BaseException) -> WeightdError:
@@ -116,9 +120,7 @@ class LocalConnection:
             for fd in fds:
                 os.close(fd)
             err = response.error
-            raise error_for(
-                err.code, err.detail, transport=self.transport if err.transport else None
-            )
+            raise local_error(err, self.transport)
         return response, fds
 
     def close(self) -> None:
@@ -127,6 +129,18 @@ class LocalConnection:
             sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+
+def local_error(err: lpb.LocalError, transport: str) -> WeightdError:
+    """The typed error for a side-channel refusal: by its reason and fields where the
+    daemon sent them (as gRPC's rich status carries them), else by code."""
+    return error_for(
+        err.code,
+        err.detail,
+        transport=transport if err.transport else None,
+        reason=err.reason,
+        metadata=dict(list(err.metadata.items())[:MAX_FIELDS]),
+    )
 
 
 def pack_ref(grant: lpb.PackGrant) -> PackRef:

@@ -77,13 +77,16 @@ def fetch_resumable(
             try:
                 stream_once()
                 return
-            except DigestMismatchError:
-                if rehash:
+            except DigestMismatchError as exc:
+                if rehash or exc.reason:  # a reason: the daemon's own refusal, not our check
                     raise  # the daemon checked what it sent: the copy went bad after that
                 rehash = True  # resumes at the tensor that failed; the held ones stay
                 report.rechecks += 1
-            except AbortedError:
-                if restarted or not receiver.next_index:
+            except AbortedError as exc:
+                # The content changed under a resume: ModelChanged, or a bare ABORTED from
+                # a daemon that predates reasons. Any other reason is not a restart.
+                changed = exc.reason in ("", "ModelChanged")
+                if restarted or not receiver.next_index or not changed:
                     raise
                 receiver.reset()  # the content changed: never mix versions
                 report.restarts += 1

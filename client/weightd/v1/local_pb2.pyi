@@ -446,9 +446,31 @@ Global___LocalStats: _TypeAlias = LocalStats  # noqa: Y015
 class LocalError(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     CODE_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """a grpc status code number, with the gRPC service's meanings"""
     detail: _builtins.str
@@ -456,16 +478,25 @@ class LocalError(_message.Message):
     """True when the failure is the transport's (budget exhausted, placement not offered,
     GPU not visible, CUDA failure): the same request over gRPC may well succeed.
     """
+    reason: _builtins.str
+    """The daemon's error class (``ModelNotFound``) and its fields (model, tensor, path,
+    ``error_lineage``: the class's ancestors), as gRPC's google.rpc.ErrorInfo carries
+    them. Empty from daemons that predate them: clients then map by code.
+    """
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         detail: _builtins.str = ...,
         transport: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "detail", b"detail", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "detail", b"detail", "metadata", b"metadata", "reason", b"reason", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -28,15 +28,8 @@ from typing import Any
 
 import torch
 
-from weightd.client import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    Layout,
-    NotFoundError,
-    UnavailableError,
-    WeightClient,
-    WeightdError,
-)
+from weightd.client import Layout, WeightClient, WeightdError
+from weightd.client import errors as e
 
 from .errors import WeightdLoadError
 from .identity import compare
@@ -70,14 +63,30 @@ class LoadReport:
     fallback: str = ""  # the error a fallback load replaced, if any
 
 
+#: What each situation means for this load, by the client's typed errors (the daemon
+#: sends its error class; a daemon that predates that maps by code, to the last rows).
+_WHY: tuple[tuple[type[WeightdError], str], ...] = (
+    (e.DaemonUnreachable, "no daemon at the target"),
+    (e.NotWeightd, "the target is not a weightd daemon"),
+    (e.WorkerOnly, "the target is the daemon's admin socket, not its worker socket"),
+    (e.MethodNotServed, "the target does not serve weightd's worker calls"),
+    (e.ModelNotFound, "model not served"),
+    (e.NotServing, "model not serving yet (still verifying) or any more"),
+    (e.TensorNotFound, "tensor not in the daemon's model"),
+    (e.LayoutRefused, "layout refused"),
+    (e.LayoutUnsupported, "layout not supported for this model"),
+    (e.ModelBroken, "the daemon's files changed since verification"),
+    (e.DigestMismatch, "digest mismatch"),
+    (e.InvalidRequest, "request refused"),
+    (e.UnavailableError, "daemon unavailable"),
+)
+
+
 def _why(exc: WeightdError) -> str:
-    if isinstance(exc, UnavailableError):
-        return "daemon unreachable or not serving yet"
-    if isinstance(exc, NotFoundError):
-        return "model not served"
-    if isinstance(exc, (InvalidArgumentError, FailedPreconditionError)):
-        return "layout refused"
-    return type(exc).__name__
+    for cls, why in _WHY:
+        if isinstance(exc, cls):
+            return why
+    return exc.reason or type(exc).__name__
 
 
 def _where(options: LoaderOptions, layout: Layout) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+from weightd.common.addresses import AddressError, parse_address
 from weightd.common.sockets import default_target
 
 from .errors import WeightdLoadError
@@ -75,8 +76,13 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
         raise WeightdLoadError(
             f"model_loader_extra_config['timeout'] must be a positive number, got {timeout!r}"
         )
+    target = _string(extra, "target") or default_target()
+    try:
+        parse_address(target)  # the one address rule, as WeightClient applies it
+    except AddressError as exc:
+        raise WeightdLoadError(f"model_loader_extra_config['target']: {exc}") from None
     return LoaderOptions(
-        target=_string(extra, "target") or default_target(),
+        target=target,
         model=_string(extra, "model"),
         fallback=cast(Fallback, _choice(extra, "fallback", ("none", "disk"), "none")),
         transport=cast(

@@ -40,6 +40,8 @@ def test_defaults_are_the_default_socket_and_the_only_model() -> None:
         ({"target": ""}, "must be a non-empty string"),
         ({"timeout": 0}, "must be a positive number"),
         ({"timeout": True}, "must be a positive number"),
+        ({"target": "localhost"}, "neither a socket path nor HOST:PORT"),
+        ({"target": "http://h:1"}, "scheme 'http' is not one weightd uses"),
     ],
 )
 def test_bad_options_are_refused_by_name(extra: dict[str, object], needle: str) -> None:
@@ -106,3 +108,28 @@ def test_an_older_daemon_is_compared_on_its_verbatim_config(tmp_path: Path) -> N
     assert compare(d, old) == []
     (d / "config.json").write_text(json.dumps({"a": 2}))
     assert [x.file for x in compare(d, old)] == ["config.json"]
+
+
+@pytest.mark.parametrize("target", ["./w.sock", "/run/w.sock", "unix:///run/w.sock", "h:7070"])
+def test_every_address_form_is_a_target(target: str) -> None:
+    """The loader takes the one address rule every weightd entry point takes."""
+    assert parse_options({"target": target}).target == target
+
+
+def test_the_loader_says_why_by_the_errors_type_not_its_code() -> None:
+    """A NOT_FOUND is "model not served" only when the daemon said ModelNotFound: a
+    TensorNotFound (also NOT_FOUND) says so; an old daemon's bare code says its class."""
+    from weightd.client import errors as ce
+    from weightd.vllm.loader import _why
+
+    def sent(code: int, reason: str) -> ce.WeightdError:
+        return ce.error_for(code, "d", reason=reason)
+
+    assert _why(sent(5, "ModelNotFound")) == "model not served"
+    assert _why(sent(5, "TensorNotFound")) == "tensor not in the daemon's model"
+    assert _why(sent(14, "ModelNotReady")).startswith("model not serving yet")
+    assert _why(sent(12, "WorkerOnly")).startswith("the target is the daemon's admin socket")
+    assert _why(sent(3, "ShardingError")) == "layout refused"
+    assert _why(sent(9, "HeaderSyntaxError")) == "HeaderSyntaxError"
+    assert _why(sent(5, "")) == "NotFoundError"  # a daemon from before reasons
+    assert _why(ce.DaemonUnreachable("no daemon")) == "no daemon at the target"

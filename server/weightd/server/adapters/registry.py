@@ -259,7 +259,7 @@ class AdapterRegistry:
     def _drop(self, name: str, reason: str) -> AdapterVersion:
         entry = self._entries.pop(name, None)
         if entry is None:
-            raise AdapterNotFound(f"no adapter named {name!r} is loaded")
+            raise AdapterNotFound(f"no adapter named {name!r} is loaded", adapter=name)
         self._retire(entry.current)
         v = entry.current
         self._emit(AdapterEvent("unload", name, v.version, v.adapter.digest, reason))
@@ -280,7 +280,7 @@ class AdapterRegistry:
     def _entry(self, name: str) -> _Entry:
         entry = self._entries.get(name)
         if entry is None:
-            raise AdapterNotFound(f"no adapter named {name!r} is loaded")
+            raise AdapterNotFound(f"no adapter named {name!r} is loaded", adapter=name)
         return entry
 
     # --- leases ----------------------------------------------------------------------
@@ -302,7 +302,11 @@ class AdapterRegistry:
         with self._lock:
             held = self._held.get((name, version))
             if held is None:
-                raise AdapterNotFound(f"version {version} of adapter {name!r} is no longer held")
+                raise AdapterNotFound(
+                    f"version {version} of adapter {name!r} is no longer held",
+                    adapter=name,
+                    version=version,
+                )
             held.leases += 1
             return Lease(self, held.version)
 

@@ -17,6 +17,7 @@ converts by name.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Final
 
 
@@ -43,16 +44,37 @@ class Code(enum.IntEnum):
 
 
 class WeightdError(Exception):
-    """Base of every error the daemon explains to its callers."""
+    """Base of every error the daemon explains to its callers.
+
+    Its class name and :attr:`fields` travel with the status (``google.rpc.ErrorInfo``
+    over gRPC, ``LocalError.reason``/``metadata`` on the side channel; see
+    :func:`error_status`), so a client acts on the situation, never on the text.
+    A field is any public attribute set on the instance besides ``message``: a
+    subclass that stores ``self.path`` sends ``path``; a raise site passes more as
+    keywords (``ModelNotFound(message, model=name)``).
+    """
 
     code: Code = Code.INTERNAL
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, **fields: str | int | float | bool) -> None:
         super().__init__(message)
         self.message = message
+        for key, value in fields.items():
+            setattr(self, key, value)
 
     def __str__(self) -> str:
         return self.message
+
+    @property
+    def fields(self) -> dict[str, str | int | float | bool]:
+        """The error's fields by name (path, tensor, model, uri, ...), scalars only."""
+        return {
+            key: value
+            for key, value in vars(self).items()
+            if key != "message"
+            and not key.startswith("_")
+            and isinstance(value, str | int | float | bool)
+        }
 
 
 # --- reading and verifying checkpoints -------------------------------------------
@@ -640,11 +662,81 @@ class DaemonUnreachable(WeightdError):
     code = Code.UNAVAILABLE
 
 
+class AdminOnly(PermissionDenied):
+    """An admin RPC sent to the worker listener; the message names the admin listener."""
+
+
+class WorkerOnly(WeightdError):
+    """A worker RPC (fetch, list, describe) sent to the admin listener; the message names
+    the worker listener. UNIMPLEMENTED, as a server without the method would answer."""
+
+    code = Code.UNIMPLEMENTED
+
+
+#: ``google.rpc.ErrorInfo.domain`` of every status the daemon sends.
+ERROR_DOMAIN: Final = "weightd.dev"
+#: The reason of a failure that is not a :class:`WeightdError` (a bug; logged).
+INTERNAL_REASON: Final = "InternalError"
+#: Metadata key listing the error's ancestors, nearest first (``HeaderError,CheckpointError``):
+#: a client that does not know a newer daemon's class still finds its family.
+LINEAGE_KEY: Final = "error_lineage"
+#: Bounds on what a status carries: gRPC clients refuse trailers over 8 KiB in all, and
+#: the detail travels twice (``grpc-message`` and the rich status, base64-encoded).
+MAX_DETAIL_BYTES: Final = 1536
+MAX_FIELD_CHARS: Final = 200
+MAX_FIELDS: Final = 12
+
+
+@dataclass(frozen=True)
+class ErrorStatus:
+    """What a failure answers with, on every edge: code, detail, reason and fields."""
+
+    code: Code
+    detail: str
+    reason: str
+    metadata: dict[str, str]
+
+
 def status_for(error: BaseException) -> tuple[Code, str]:
     """The status a failure answers with. The only place codes are chosen."""
-    if isinstance(error, WeightdError):
-        return error.code, error.message
-    return Code.INTERNAL, f"internal error ({type(error).__name__}); see the daemon log"
+    status = error_status(error)
+    return status.code, status.detail
+
+
+def error_status(error: BaseException) -> ErrorStatus:
+    """``error`` as a status (pure): its code from the class, its detail bounded, its
+    class name as the reason and its fields (escaped, capped) as the metadata."""
+    if not isinstance(error, WeightdError):
+        detail = f"internal error ({type(error).__name__}); see the daemon log"
+        return ErrorStatus(Code.INTERNAL, detail, INTERNAL_REASON, {})
+    metadata: dict[str, str] = {}
+    for key, value in list(error.fields.items())[:MAX_FIELDS]:
+        metadata[key] = _field_text(value)
+    lineage = [
+        c.__name__
+        for c in type(error).__mro__[1:]
+        if issubclass(c, WeightdError) and c is not WeightdError
+    ]
+    if lineage:
+        metadata[LINEAGE_KEY] = ",".join(lineage)
+    return ErrorStatus(error.code, _bounded(error.message), type(error).__name__, metadata)
+
+
+def _field_text(value: str | int | float | bool) -> str:
+    """A field as metadata text: control characters escaped, cut to its bound."""
+    text = value if isinstance(value, str) else str(value)
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    return text if len(text) <= MAX_FIELD_CHARS else text[:MAX_FIELD_CHARS] + "..."
+
+
+def _bounded(detail: str) -> str:
+    """``detail`` cut to :data:`MAX_DETAIL_BYTES` of UTF-8, saying how much was cut."""
+    raw = detail.encode()
+    if len(raw) <= MAX_DETAIL_BYTES:
+        return detail
+    kept = raw[: MAX_DETAIL_BYTES - 64].decode(errors="ignore")
+    return f"{kept}... ({len(raw)} bytes in all; cut)"
 
 
 #: Characters of a client-supplied string quoted back in an error detail.

@@ -1,30 +1,78 @@
 """The client commands of the CLI: ``weightd fetch``, ``list``, ``describe``, ``health``
-and ``reload``, and the TLS flags they share. Kept apart from ``cli.py``, which
-registers, dispatches and runs the local commands (``serve``, ``plan``,
+and ``reload``, and the address and TLS flags they share. Kept apart from ``main.py``,
+which registers, dispatches and runs the local commands (``serve``, ``plan``,
 ``demo-checkpoint``; ``trust_commands`` has the trust ones): these are clients of a
-running daemon over gRPC, most of them through ``weightd.client`` (and so torch).
+running daemon over gRPC, through ``weightd.client``.
+
+Every command takes the daemon's address by the one rule (``weightd.common.addresses``:
+a socket path, ``unix://``, ``unix:///``, ``HOST:PORT``), positional as before or as
+``--target``, and defaults to the daemon's default socket (``reload``: the admin socket
+beside it). What goes wrong reaching the daemon is the client's typed error, one line.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
-from ..base.errors import WeightdError
-from .targets import daemon_target, missing_socket, not_connected, unreachable
+from weightd.common.sockets import default_admin_path, default_socket_path
+
+from ..base.errors import UsageError, WeightdError
+from ..base.words import count
+
+ADDRESS_FORMS = "a socket path (./w.sock, /run/x.sock), unix:///PATH or HOST:PORT"
+
+
+def _add_target(p: argparse.ArgumentParser, default: str, *, admin: bool = False) -> None:
+    """The daemon's address: positional (as before) or ``--target``; both optional."""
+    what = "the daemon's admin address" if admin else "the daemon's address"
+    p.add_argument(
+        "target",
+        nargs="?",
+        default=None,
+        help=f"{what}: {ADDRESS_FORMS} (default: {default})",
+    )
+    p.add_argument("--target", dest="target_flag", metavar="ADDRESS", help="the same, as a flag")
+
+
+def target_of(args: argparse.Namespace) -> str | None:
+    """The address given (positional or ``--target``), or None for the default."""
+    flag: str | None = getattr(args, "target_flag", None)
+    if flag is not None and args.target is not None and flag != args.target:
+        raise UsageError(f"two addresses given: {args.target!r} and --target {flag!r}")
+    return flag if flag is not None else args.target
 
 
 def add_fetch_parser(sub: Any) -> None:
     """``weightd fetch``; registered apart from the others to keep the help's order."""
-    f = sub.add_parser("fetch", help="fetch one rank's slices into a safetensors file")
-    f.add_argument("target", help="daemon address, e.g. unix:///run/weightd/weightd.sock")
-    f.add_argument("--rank", type=int, required=True)
-    f.add_argument("--world-size", type=int, required=True)
+    f = sub.add_parser(
+        "fetch",
+        help="fetch one rank's slices into a safetensors file",
+        description="Fetch one worker's slices of a served model into a .safetensors file "
+        "(shared memory on the daemon's host, gRPC otherwise; every slice digest-checked).",
+    )
+    _add_target(f, f"unix://{default_socket_path()}")
+    f.add_argument(
+        "--rank",
+        type=int,
+        required=True,
+        help="this worker's tensor-parallel rank, 0 .. world size - 1",
+    )
+    f.add_argument(
+        "--world-size",
+        type=int,
+        required=True,
+        help="tensor-parallel size: the number of ranks each tensor is split across",
+    )
+    f.add_argument(
+        "--pp", type=int, default=1, metavar="N", help="pipeline stages (as in plan); default 1"
+    )
+    f.add_argument("--pp-rank", type=int, default=0, metavar="I", help="this worker's stage")
+    f.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel size")
+    f.add_argument("--ep-rank", type=int, default=0, metavar="I", help="this worker's expert rank")
     f.add_argument(
         "--vocab-pad",
         type=int,
@@ -33,33 +81,50 @@ def add_fetch_parser(sub: Any) -> None:
         help="vocabulary-parallel tensors as vLLM cuts them, padded to a multiple of N "
         "(vLLM: 64); default 0: equal blocks",
     )
-    f.add_argument("--model", default=None)
+    f.add_argument(
+        "--model",
+        default=None,
+        help="the served model's name (see `weightd list`); default: the daemon's only model",
+    )
     f.add_argument("--name", action="append", dest="names", help="only this tensor (repeatable)")
     f.add_argument("--out", required=True, help="output .safetensors file")
-    f.add_argument("--timeout", type=float, default=None)
+    f.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="bound on each call to the daemon; default: none",
+    )
+    f.add_argument(
+        "--progress",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="progress on stderr: auto (when stderr is a terminal), always, never",
+    )
     _add_client_tls_args(f)
 
 
 def add_parsers(sub: Any) -> None:
     """``weightd list``, ``describe``, ``health`` and ``reload``."""
+    worker = f"unix://{default_socket_path()}"
     ls = sub.add_parser("list", help="list the models a daemon serves")
-    ls.add_argument("target")
+    _add_target(ls, worker)
     _add_client_tls_args(ls)
 
     d = sub.add_parser("describe", help="describe a served model's tensors")
-    d.add_argument("target")
+    _add_target(d, worker)
     d.add_argument("--model", default=None)
     d.add_argument("--json", action="store_true")
     _add_client_tls_args(d)
 
     h = sub.add_parser("health", help="exit 0 when the daemon reports SERVING (gRPC health)")
-    h.add_argument("target")
+    _add_target(h, worker)
     h.add_argument("--service", default="", help="'' overall, or weightd.v1.Weights/MODEL")
     h.add_argument("--wait", type=float, default=0.0, help="keep polling up to this many seconds")
     _add_client_tls_args(h)
 
     r = sub.add_parser("reload", help="re-verify a model from disk (admin listener only)")
-    r.add_argument("target", help="the admin address, e.g. unix:///run/weightd/admin.sock")
+    _add_target(r, f"unix://{default_admin_path()}", admin=True)
     r.add_argument("--model", default=None)
     r.add_argument("--timeout", type=float, default=None)
     _add_client_tls_args(r)
@@ -82,25 +147,14 @@ def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
         raise WeightdError(str(exc)) from None
 
 
-@contextlib.contextmanager
-def _daemon_at(text: str) -> Iterator[str]:
-    """The gRPC target for ``text``; "no daemon there" said plainly, before and during calls.
+def _target(args: argparse.Namespace, *, admin: bool = False) -> str:
+    """The gRPC target of the address given (the default socket when none was)."""
+    from weightd.client.addresses import connect_target
 
-    Only a failure to connect becomes :class:`DaemonUnreachable`; an UNAVAILABLE the
-    daemon answered itself (a model still verifying) keeps its own words.
-    """
-    from weightd.client.errors import UnavailableError
-
-    target = daemon_target(text)
-    missing = missing_socket(target)
-    if missing is not None:
-        raise missing
-    try:
-        yield target
-    except UnavailableError as exc:
-        if not_connected(exc.detail):
-            raise unreachable(target, exc.detail) from None
-        raise
+    given = target_of(args)
+    if given is None and admin:
+        given = default_admin_path()
+    return connect_target(given)
 
 
 def run_fetch(args: argparse.Namespace) -> int:
@@ -109,33 +163,46 @@ def run_fetch(args: argparse.Namespace) -> int:
     from weightd.client import Layout, WeightClient
 
     from ..base.atomicio import atomic_output
+    from .progress import FetchProgress
 
+    layout = Layout(
+        tp_size=args.world_size,
+        tp_rank=args.rank,
+        pp_size=args.pp,
+        pp_rank=args.pp_rank,
+        ep_size=args.ep,
+        ep_rank=args.ep_rank,
+        vocab_pad=args.vocab_pad,
+    )
+    target = _target(args)
     creds = _credentials(args)
-    with (
-        _daemon_at(args.target) as target,
-        WeightClient(target, timeout=args.timeout, credentials=creds) as client,
-    ):
-        layout = Layout(tp_size=args.world_size, tp_rank=args.rank, vocab_pad=args.vocab_pad)
-        state = client.fetch_layout(layout, model=args.model, names=args.names)
-    metadata = {"weightd_rank": str(args.rank), "weightd_world_size": str(args.world_size)}
-    if args.vocab_pad:
-        metadata["weightd_vocab_pad"] = str(args.vocab_pad)
-    # Written aside and renamed: a full disk leaves the previous file, no partial one.
-    with atomic_output(args.out) as tmp:
-        save_file(state, tmp, metadata=metadata)
+    with FetchProgress.for_mode(args.progress, f"{layout.describe()} from {target}") as progress:
+        with WeightClient(
+            target, timeout=args.timeout, credentials=creds, on_tensor=progress.tensor
+        ) as client:
+            state = client.fetch_layout(layout, model=args.model, names=args.names)
+            how = client.last_fetch.transport if client.last_fetch is not None else "?"
+        progress.step(f"writing {args.out}")
+        metadata = {"weightd_rank": str(args.rank), "weightd_world_size": str(args.world_size)}
+        if args.vocab_pad:
+            metadata["weightd_vocab_pad"] = str(args.vocab_pad)
+        if args.pp > 1 or args.ep > 1:
+            metadata["weightd_layout"] = layout.describe()
+        # Written aside and renamed: a full disk leaves the previous file, no partial one.
+        with atomic_output(args.out) as tmp:
+            save_file(state, tmp, metadata=metadata)
     total = sum(t.numel() * t.element_size() for t in state.values())
     where = f"rank {args.rank}/{args.world_size}"
-    print(f"wrote {len(state)} tensors, {total} bytes, {where} -> {args.out}")
+    if args.pp > 1 or args.ep > 1:
+        where = layout.describe()
+    print(f"wrote {count(len(state), 'tensor')}, {total} bytes, {where} (over {how}) -> {args.out}")
     return 0
 
 
 def run_list(args: argparse.Namespace) -> int:
     from weightd.client import WeightClient
 
-    with (
-        _daemon_at(args.target) as target,
-        WeightClient(target, credentials=_credentials(args)) as client,
-    ):
+    with WeightClient(_target(args), credentials=_credentials(args)) as client:
         for m in client.list_models():
             state = "ready" if m.ready else "not ready"
             if m.state and m.state not in ("ready", "loading"):
@@ -148,10 +215,7 @@ def run_list(args: argparse.Namespace) -> int:
 def run_describe(args: argparse.Namespace) -> int:
     from weightd.client import WeightClient
 
-    with (
-        _daemon_at(args.target) as target,
-        WeightClient(target, credentials=_credentials(args)) as client,
-    ):
+    with WeightClient(_target(args), credentials=_credentials(args)) as client:
         d = client.describe(args.model)
     if args.json:
         print(
@@ -166,7 +230,7 @@ def run_describe(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"{d.name} ({d.architecture}): {len(d.tensors)} tensors, {d.total_bytes} bytes")
+    print(f"{d.name} ({d.architecture}): {count(len(d.tensors), 'tensor')}, {d.total_bytes} bytes")
     for t in d.tensors:
         print(f"  {t.name}\t{t.dtype}\t{list(t.shape)}\t{t.shard}\t{t.digest[:23]}...")
     return 0
@@ -177,8 +241,10 @@ def run_health(args: argparse.Namespace) -> int:
 
     from grpc_health.v1 import health_pb2
 
+    from weightd.client.addresses import missing_socket
+
     deadline = time.monotonic() + args.wait
-    target = daemon_target(args.target)
+    target = _target(args)
     creds = _credentials(args)
     channel = grpc.insecure_channel(target) if creds is None else grpc.secure_channel(target, creds)
     with channel:
@@ -191,13 +257,13 @@ def run_health(args: argparse.Namespace) -> int:
         while True:
             missing = missing_socket(target)
             if missing is not None:
-                status = f"UNREACHABLE ({missing})"
+                status = f"UNREACHABLE ({missing.detail})"
             else:
                 try:
                     reply = check(health_pb2.HealthCheckRequest(service=args.service), timeout=2)
                     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
                 except grpc.RpcError as exc:
-                    status = health_failure(target, args.service, exc.code(), exc.details() or "")
+                    status = health_failure(target, args.service, exc)
             if status == "SERVING" or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
@@ -205,28 +271,31 @@ def run_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def health_failure(target: str, service: str, code: grpc.StatusCode, detail: str) -> str:
+def health_failure(target: str, service: str, exc: grpc.RpcError) -> str:
     """What a failed health ``Check`` means: only a call that reached no daemon is
     UNREACHABLE; any other code is the daemon's own answer, and is said to be."""
+    from weightd.client.addresses import from_call
+
+    error = from_call(exc, target)
+    code = error.code
     if code == grpc.StatusCode.NOT_FOUND:
         return f"NOT_FOUND (the daemon answered: it has no health status for {service!r})"
-    silent = code == grpc.StatusCode.DEADLINE_EXCEEDED
-    if silent or (code == grpc.StatusCode.UNAVAILABLE and not_connected(detail)):
-        return f"UNREACHABLE ({unreachable(target, f'{code.name}: {detail}')})"
-    return f"{code.name} (the daemon answered: {detail})"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"UNREACHABLE (no daemon answered at {target} in time)"
+    if error.reason in ("DaemonUnreachable", "NotWeightd"):
+        return f"UNREACHABLE ({error.detail})"
+    return f"{code.name} (the daemon answered: {error.detail})"
 
 
 def run_reload(args: argparse.Namespace) -> int:
     from weightd.client import AdminClient
 
     creds = _credentials(args)
-    with (
-        _daemon_at(args.target) as target,
-        AdminClient(target, timeout=args.timeout, credentials=creds) as admin,
-    ):
+    target = _target(args, admin=True)
+    with AdminClient(target, timeout=args.timeout, credentials=creds) as admin:
         r = admin.reload(args.model)
     print(
-        f"reloaded {r.model}: {r.num_tensors} tensors, {r.total_bytes} bytes verified in "
-        f"{r.verify_seconds:.2f}s"
+        f"reloaded {r.model}: {count(r.num_tensors, 'tensor')}, {r.total_bytes} bytes verified "
+        f"in {r.verify_seconds:.2f}s"
     )
     return 0

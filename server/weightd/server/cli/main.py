@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only the client commands import the client (and fetch torch, to make tensors):
     # verify, manifest, serve, list and describe start seconds faster without it.
     explained: tuple[type[Exception], ...] = (WeightdError,)
-    if args.command in ("fetch", "list", "describe", "reload"):
+    if args.command in ("fetch", "list", "describe", "health", "reload"):
         from weightd.client.errors import WeightdError as ClientError
 
         explained = (WeightdError, ClientError)

@@ -13,22 +13,25 @@ manifest, key and rules parsers), and the first problem is raised as one
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import stat
 from collections.abc import Iterator
+from dataclasses import replace
 
 from ..base.errors import ManifestSyntaxError, UsageError, WeightdError
 from ..config import Loaded, ServeConfig
-from ..config.build import local_config
-from ..daemon.addresses import parse_address
+from ..config.build import local_config, verify_options
+from ..daemon.addresses import Address, parse_address
 from ..daemon.listeners import admin_address, host_port
 from ..daemon.security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
+from ..daemon.sockets import socket_home
 from ..plan.rules_file import load_rules_file
-from ..sources.location import is_remote, parse_s3_uri
+from ..sources.location import default_model_name, is_remote, parse_s3_uri
 from ..transports.options import check_config
 from ..trust.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from ..trust.signing import load_public_key
-from ..trust.verify import read_operator_file
+from ..trust.verify import first_problem, read_operator_file, verify_checkpoint
 
 
 def check_serve(loaded: Loaded) -> None:
@@ -69,11 +72,16 @@ def _flag(flag: str) -> Iterator[None]:
 
 def _check_listeners(config: ServeConfig) -> None:
     """The same address, TLS and listener policies ``create_daemon`` applies, dry."""
+    group = config.socket_group_access
     address = parse_address(config.listen)
+    if address.kind == "unix":  # a directory no socket may go in: refused here, unlogged
+        address = Address("unix", path=socket_home(address.path, group=group)[0])
     tls = read_tls(TlsFiles(config.tls.cert, config.tls.key, config.tls.client_ca))
     check_worker_listener(address, tls=tls is not None, insecure=config.insecure)
     admin = admin_address(config.admin.listen, address)
     if admin is not None:
+        if admin.kind == "unix" and config.admin.listen is not None:
+            socket_home(admin.path)
         check_admin_listener(admin, tls=tls, allowed=frozenset(config.admin.allow))
     if config.health.listen is not None:
         parse_address(config.health.listen)
@@ -83,11 +91,26 @@ def _check_listeners(config: ServeConfig) -> None:
 
 
 def _check_models(config: ServeConfig, where: str) -> None:
+    remote = [m.value for m in config.model if is_remote(m.value)]
+    remote += [r for r in config.adapters.root if is_remote(r)]
+    if remote and importlib.util.find_spec("boto3") is None:
+        raise UsageError(
+            f"{remote[0]}: s3:// sources need boto3 (the s3 extra): pip install boto3, or "
+            "pip install '.[s3]' in a clone of weightd"
+        )
+    options = replace(verify_options(config), digests=False, progress=False)
     for model in config.model:
         if is_remote(model.value):
             parse_s3_uri(model.value)  # a malformed location fails here, in one line
-        else:  # a remote one is checked against the store when the daemon starts
-            _check_directory(where, model.value)
+            continue  # checked against the store when the daemon starts
+        _check_directory(where, model.value)
+        name = model.name or default_model_name(model.value)
+        # Every check but the digests (structure, config, layout, manifest, signature):
+        # a bad checkpoint is one line before the first log line and the first bind.
+        v = verify_checkpoint(model.value, name, options)
+        v.store.close()
+        if v.problems:
+            raise first_problem(v.problems, model.value)
 
 
 def _check_directory(flag: str, path: str) -> None:

@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Final
 
 from ..base.errors import CheckpointError, UsageError, WeightdError
+from ..base.words import count
 
 if TYPE_CHECKING:  # the verify stack (blake3, cryptography) loads only when used
     from ..trust.verify import Verification
@@ -63,7 +64,8 @@ def _report_text(v: Verification, trust_given: bool) -> list[str]:
     ckpt = v.checkpoint
     if ckpt is not None:
         lines.append(
-            f"  structure  {len(ckpt.shards)} shards, {len(ckpt.tensors)} tensors, "
+            f"  structure  {count(len(ckpt.shards), 'shard')}, "
+            f"{count(len(ckpt.tensors), 'tensor')}, "
             f"{ckpt.total_bytes} bytes: index and headers consistent"
         )
         lines.append(f"  config     {v.config_summary or ckpt.architecture or '(no architecture)'}")
@@ -72,8 +74,8 @@ def _report_text(v: Verification, trust_given: bool) -> list[str]:
         if v.hash_seconds > 0:
             how += f" ({v.hashed_bytes / v.hash_seconds / 1e9:.2f} GB/s)"
         lines.append(
-            f"  digests    sha256 of {len(v.files)} files, blake3 of {len(v.tensor_digests)} "
-            f"tensors; {how}"
+            f"  digests    sha256 of {count(len(v.files), 'file')}, blake3 of "
+            f"{count(len(v.tensor_digests), 'tensor')}; {how}"
         )
         for name in sorted(v.files):
             lines.append(f"             {v.files[name].sha256}  {name}")
@@ -178,7 +180,8 @@ def run_manifest(args: argparse.Namespace) -> int:
     _write_output(args.output, dumps(document))
     signed = f", signed by {document['signature']['key_id']}" if private is not None else ""
     print(
-        f"manifest of {v.root}: {len(body['files'])} files, {len(body['tensors'])} tensors"
+        f"manifest of {v.root}: {count(len(body['files']), 'file')}, "
+        f"{count(len(body['tensors']), 'tensor')}"
         f"{signed} -> {args.output or 'stdout'}",
         file=sys.stderr,
     )

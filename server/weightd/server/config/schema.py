@@ -347,7 +347,8 @@ class ServeConfig:
     listen: str = setting(
         "",
         Text(),
-        "worker gRPC address: a socket path, unix:///PATH.sock or HOST:PORT (empty: the "
+        "worker gRPC address: a socket path (./w.sock, /run/x.sock), unix:///PATH or "
+        "HOST:PORT; in a shared directory such as /tmp, a private weightd-UID one (empty: the "
         "default socket, shown by 'weightd config show')",
         metavar="ADDRESS",
     )

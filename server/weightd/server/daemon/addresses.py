@@ -1,65 +1,64 @@
-"""Listening addresses: parsing, safe defaults, and the lock that keeps one daemon per socket.
+"""Listening addresses: the one address rule, safe socket homes, and the lock that keeps
+one daemon per socket.
 
-Defaults are local: a Unix socket in a 0700 directory (only this user can connect;
-:mod:`.sockets` creates or verifies it), or TCP on loopback. A Unix socket path is
-guarded by an ``flock`` on ``<path>.lock`` because gRPC silently unlinks and takes over
-an existing socket (grpc #17122).
+Addresses are read by :mod:`weightd.common.addresses`, the rule every client uses too
+(a bare path, ``unix://``, ``unix:///``, ``HOST:PORT``), so ``serve --listen ./my.sock``
+binds the socket a client given ``./my.sock`` connects to. Defaults are local: a Unix
+socket in a 0700 directory (only this user can connect; :mod:`.sockets` creates or
+judges it, and moves a socket asked for in a shared directory such as ``/tmp`` into a
+private one), or TCP on loopback. A Unix socket path is guarded by an ``flock`` on
+``<path>.lock`` because gRPC silently unlinks and takes over an existing socket
+(grpc #17122).
 """
 
 from __future__ import annotations
 
-import ipaddress
+import logging
 import os
-from dataclasses import dataclass
 from typing import IO
+
+from weightd.common.addresses import Address, AddressError
+from weightd.common.addresses import parse_address as parse_any
 
 from ..base.cleanup import on_error
 from ..base.errors import ListenError
-from .sockets import remove_stale_socket, secure_directory, take_lock
+from .sockets import remove_stale_socket, secure_directory, socket_home, take_lock
 
+__all__ = ["Address", "parse_address", "prepare_unix_socket", "settle_address"]
 
-@dataclass(frozen=True, slots=True)
-class Address:
-    kind: str  # "unix" or "tcp"
-    path: str = ""  # unix
-    host: str = ""  # tcp
-    port: int = 0
-
-    @property
-    def grpc_target(self) -> str:
-        if self.kind == "unix":
-            return f"unix://{self.path}"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    @property
-    def is_loopback(self) -> bool:
-        if self.kind == "unix":
-            return True
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return False
+log = logging.getLogger("weightd")
 
 
 def parse_address(text: str) -> Address:
-    if text.startswith("unix://"):
-        path = text[len("unix://") :]
-        if not path.startswith("/"):
-            raise ListenError(f"listen address {text!r}: unix:// needs an absolute path")
-        return Address("unix", path=path)
-    if text.startswith("unix:"):
-        return Address("unix", path=os.path.abspath(text[len("unix:") :]))
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not port_text.isdigit():
-        raise ListenError(f"listen address {text!r} is neither unix:///PATH nor HOST:PORT")
-    host = host.strip("[]")
-    port = int(port_text)
-    if port > 65535:
-        raise ListenError(f"listen address {text!r}: port {port} is out of range")
-    return Address("tcp", host=host or "127.0.0.1", port=port)
+    """A listening address by the common rule; one the daemon cannot bind is ListenError."""
+    try:
+        address = parse_any(text)
+    except AddressError as exc:
+        raise ListenError(f"listen address: {exc}") from None
+    if address.kind == "grpc":
+        raise ListenError(
+            f"listen address {text!r}: the daemon listens on a Unix socket path or "
+            "HOST:PORT, not on a gRPC target scheme"
+        )
+    return address
+
+
+def settle_address(address: Address, *, group: bool = False) -> Address:
+    """Where ``address`` is really bound: a socket asked for in a shared directory moves
+    to a private one beside it (said in the log); TCP stays as given."""
+    if address.kind != "unix":
+        return address
+    path, why = socket_home(address.path, group=group)
+    if path == address.path:
+        return address
+    log.info(
+        "socket directory %s: the socket goes in the private directory %s instead (clients "
+        "given %s find it there)",
+        why,
+        os.path.dirname(path),
+        address.grpc_target,
+    )
+    return Address("unix", path=path)
 
 
 def prepare_unix_socket(path: str, *, group: bool = False) -> IO[str]:

@@ -36,11 +36,11 @@ from ..sources.location import default_model_name
 from ..sources.resolver import SourceResolver
 from ..telemetry import logs
 from ..telemetry.metrics import Metrics, MetricsServer, SourceMetrics, serve_metrics
-from ..transports.local_server import LocalServer, start_local_server
+from ..transports.local_server import LocalObserver, LocalServer, start_local_server
 from ..transports.options import check_config
 from ..trust.verify import VerifyOptions
 from . import lifecycle, listeners
-from .addresses import Address, parse_address, prepare_unix_socket
+from .addresses import Address, parse_address, prepare_unix_socket, settle_address
 from .collectors import (
     GpuMemoryCollector,
     ModelCollector,
@@ -171,10 +171,12 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     """
     server_config = config.server
     local_config = build.local_config(config)
-    address = parse_address(config.listen)
+    address = settle_address(parse_address(config.listen), group=config.socket_group_access)
     tls = read_tls(TlsFiles(config.tls.cert, config.tls.key, config.tls.client_ca))
     warning = check_worker_listener(address, tls=tls is not None, insecure=config.insecure)
     admin_address = listeners.admin_address(config.admin.listen, address)
+    if admin_address is not None and config.admin.listen is not None:
+        admin_address = settle_address(admin_address)
     allowed = (
         check_admin_listener(admin_address, tls=tls, allowed=frozenset(config.admin.allow))
         if admin_address is not None
@@ -228,7 +230,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             listeners.worker_pool(server_config.max_workers),
             options=options,
             maximum_concurrent_rpcs=server_config.max_concurrent_rpcs,
-            interceptors=[observer, RequestGuard(), AdminGate(), bounds],
+            interceptors=[observer, RequestGuard(), AdminGate(admin_address), bounds],
         )
         source_metrics = (
             SourceMetrics.create(metrics_registry) if metrics_registry is not None else None
@@ -285,6 +287,8 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)
+            if metrics is not None:
+                daemon.local.observer = LocalObserver(metrics, listeners.model_resolver(registry))
         if metrics_registry is not None:
             adapter_service.metrics = adapter_metrics(
                 metrics_registry, adapter_service, daemon.local
@@ -296,7 +300,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
                 shared = os.path.dirname(admin_address.path) == os.path.dirname(address.path)
                 locks.append(prepare_unix_socket(admin_address.path, group=group and shared))
             daemon.admin_server = listeners.admin_server(
-                daemon.reloader, observer, allowed, adapters, watchdog
+                daemon.reloader, observer, allowed, adapters, watchdog, daemon.address
             )
             daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
         if config.health.listen is not None:

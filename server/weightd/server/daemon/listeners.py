@@ -15,7 +15,7 @@ from typing import Final
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from weightd.common.sockets import default_socket_path
+from weightd.common.sockets import ADMIN_SOCKET_NAME, default_socket_path
 
 from ..base.errors import ListenError, SecurityConfigError
 from ..registry.loading import Reloader
@@ -29,8 +29,6 @@ from ..rpc.streams import StreamBounds, StreamWatchdog
 from .addresses import Address, parse_address
 from .security import TlsMaterial
 from .sockets import restrict_socket
-
-ADMIN_SOCKET_NAME = "admin.sock"
 
 
 def version() -> str:
@@ -103,9 +101,11 @@ def admin_server(
     allowed: frozenset[str] | None,
     adapters: Adapters | None = None,
     watchdog: StreamWatchdog | None = None,
+    worker: Address | None = None,
 ) -> grpc.Server:
     bounds = StreamBounds(watchdog, ADMIN_MAX_STREAMS, "admin")
-    return create_admin_server(reloader, observer, allowed, adapters, bounds)
+    worker_target = worker.grpc_target if worker is not None else None
+    return create_admin_server(reloader, observer, allowed, adapters, bounds, worker_target)
 
 
 #: Threads of the health listener, and the Watch streams it holds at most: the rest

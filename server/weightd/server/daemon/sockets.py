@@ -3,14 +3,19 @@ that cannot be aimed at someone else's file, and sockets whose mode is set, not 
 
 Why each check (an attacker on the same host, another uid):
 
-* **The directory.** A socket's own mode is not a reliable guard (it follows the
-  umask; some systems ignore it), so access is decided by the directory. One that
-  exists already is trusted only if it is a real directory (not a symlink), owned by
-  the daemon's uid and closed to other users; anything else is refused with the fix
-  in the message. Its owner, or anyone who could write it, could swap the socket
-  under the daemon's clients or plant the lock file. It is never "repaired" in place:
-  a daemon running as root owns ``/run`` and ``/tmp`` too, and must not ``chmod``
-  them. A directory the daemon creates is made 0700 (0750 with group access)
+* **The directory.** Anyone who can write the socket's directory could swap the
+  socket under the daemon's clients or plant the lock file, so a directory that
+  exists is used as it is only when it is a real directory (not a symlink), owned by
+  the daemon's uid and writable by no one else (:func:`dir_plan`). Others may still
+  read or search it (``mkdir``'s 0755): on Linux connecting needs write permission
+  on the socket itself, which is 0600 right after bind, and such a directory is used
+  only under a umask that already denies others write, so no one connects in
+  between. A directory shared like ``/tmp`` (sticky, writable by all) gets a private
+  ``weightd-UID`` directory inside, which the daemon creates and clients given the
+  first path find too (:mod:`weightd.common.sockets`). Anything else is refused with
+  a path that works. A directory is never "repaired" in place: a daemon running as
+  root owns ``/run`` and ``/tmp`` too, and must not ``chmod`` them, and no message
+  suggests it. A directory the daemon creates is made 0700 (0750 with group access)
   whatever the umask.
 * **The lock file.** It is opened with ``O_NOFOLLOW | O_CREAT`` by descriptor and
   checked (a regular file, ours, one link) before the pid is written into it: a
@@ -27,6 +32,8 @@ import fcntl
 import os
 import stat
 from typing import IO, Final
+
+from weightd.common.sockets import default_socket_path, private_socket_path, shared_directory
 
 from ..base.errors import ListenError
 
@@ -60,8 +67,80 @@ def dir_problem(st: os.stat_result, uid: int, group: bool) -> str | None:
     return None
 
 
+#: What to do with the directory a socket was asked for in (see :func:`dir_plan`).
+USE: Final = "use"
+PRIVATE: Final = "private"
+REFUSE: Final = "refuse"
+
+
+def dir_plan(st: os.stat_result, uid: int, group: bool, umask: int | None) -> tuple[str, str]:
+    """Whether a socket can go in the existing directory ``st`` as it is (pure).
+
+    (:data:`USE`, ""): the daemon's own, writable by no one else; readable or searchable
+    by others only where the socket's mode alone keeps them out (``mkdir``'s 0755:
+    the socket is chmod 0600 right after bind, and bound under a ``umask`` that already
+    denies others write, so no one can connect in between). (:data:`PRIVATE`, why):
+    shared like ``/tmp`` (sticky, writable by others): the socket goes in a private
+    ``weightd-UID`` directory inside (:func:`~weightd.common.sockets.private_socket_path`).
+    (:data:`REFUSE`, why): anything else; why says what is wrong, never "chmod it".
+    """
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode):
+        return REFUSE, "is not a directory"
+    if shared_directory(st.st_mode):
+        return PRIVATE, f"is shared with other users (mode {mode:04o})"
+    if st.st_uid != uid:
+        return REFUSE, f"is owned by uid {st.st_uid}, not the daemon's uid {uid}"
+    if mode & 0o022:
+        return REFUSE, f"has mode {mode:04o}: other users could replace the socket"
+    if not mode & 0o077 & ~allowed_dir_bits(group):
+        return USE, ""
+    closed = 0o002 | (0 if group else 0o020)
+    if umask is not None and umask & closed == closed:
+        return USE, ""
+    return PRIVATE, f"has mode {mode:04o} and the umask lets other users connect"
+
+
+def current_umask() -> int | None:
+    """This process's umask, read without changing it (``/proc``; None if unknown)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def socket_home(path: str, *, group: bool = False) -> tuple[str, str]:
+    """Where the socket asked for at ``path`` is bound, and why it moved ("" if not).
+
+    A directory that does not exist yet is created by :func:`secure_directory`; one
+    that exists is judged by :func:`dir_plan`. Raises :class:`ListenError` for a
+    directory no socket may go in, naming a path that works.
+    """
+    directory = os.path.dirname(path) or "."
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        return path, ""
+    except OSError as exc:
+        raise ListenError(f"socket directory {directory} cannot be read: {exc.strerror}") from None
+    plan, why = dir_plan(st, os.geteuid(), group, current_umask())
+    if plan == USE:
+        return path, ""
+    if plan == PRIVATE:
+        return private_socket_path(path, os.geteuid()), f"{directory} {why}"
+    raise ListenError(
+        f"socket directory {directory} {why}; refusing to put a socket in it. Give --listen "
+        f"a path in a directory only this user can write, or one that does not exist yet "
+        f"(the daemon creates it 0700), e.g. unix://{default_socket_path()}"
+    )
+
+
 def secure_directory(directory: str, *, group: bool = False) -> None:
-    """Create ``directory`` 0700 (0750 with ``group``), or verify and repair it.
+    """Create ``directory`` 0700 (0750 with ``group``), or verify it (:func:`dir_plan`).
 
     Raises :class:`ListenError` naming the directory and what is wrong with it.
     """
@@ -90,12 +169,16 @@ def secure_directory(directory: str, *, group: bool = False) -> None:
         if created and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
             os.fchmod(fd, mode)  # mkdir applied the umask; be explicit
             st = os.fstat(fd)
-        problem = dir_problem(st, os.geteuid(), group)
+        if created:
+            problem = dir_problem(st, os.geteuid(), group)
+        else:
+            plan, why = dir_plan(st, os.geteuid(), group, current_umask())
+            problem = None if plan == USE else why
         if problem is not None:
             raise ListenError(
-                f"socket directory {directory} {problem}; refusing to use it (make it "
-                f"{mode:04o} and owned by this user, or give --listen a path in a new "
-                "directory, which the daemon creates)"
+                f"socket directory {directory} {problem}; refusing to use it (give --listen "
+                "a path in a directory that does not exist yet, which the daemon creates "
+                f"{mode:04o}, e.g. unix://{default_socket_path()})"
             )
     finally:
         os.close(fd)

@@ -117,7 +117,9 @@ def plan(
         seen: set[str] = set()
         for n in names:
             if n not in ckpt.tensors:
-                raise TensorNotFound(f"model {ckpt.name!r} has no tensor {echo(n)}")
+                raise TensorNotFound(
+                    f"model {ckpt.name!r} has no tensor {echo(n)}", model=ckpt.name, tensor=n
+                )
             if n in seen:
                 raise InvalidRequest(f"tensor {echo(n)} is requested twice")
             seen.add(n)

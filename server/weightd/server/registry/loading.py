@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..base.errors import InvalidRequest, ModelNotFound, ModelNotReady, WeightdError
+from ..base.words import count
 from ..plan.rules import RuleTable
 from ..sources.resolver import SourceResolver
 from ..telemetry import logs
@@ -42,9 +43,11 @@ def load_observed(
     try:
         model = load_model(directory, name, tables, options=options)
     except BaseException as exc:
+        if not isinstance(exc, Exception):
+            raise  # a signal stopping start-up, or the interpreter exiting: a cancel
         seconds = time.monotonic() - started
         reason = failure_reason(exc)
-        if metrics is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if metrics is not None:
             metrics.verify_failures.labels(name, reason).inc()
         # The error itself is reported once, by whoever handles it: the CLI's one line
         # at start-up, the ``reload`` event and the RPC status on a reload.
@@ -136,8 +139,12 @@ class Reloader:
         if model is not None:
             return model  # broken models too: a reload is how they come back
         if name in every:
-            raise ModelNotReady(f"model {name!r} is still being verified; reload it afterwards")
-        raise ModelNotFound(f"model {name!r} is not served here (serving: {', '.join(every)})")
+            raise ModelNotReady(
+                f"model {name!r} is still being verified; reload it afterwards", model=name
+            )
+        raise ModelNotFound(
+            f"model {name!r} is not served here (serving: {', '.join(every)})", model=name
+        )
 
     @contextlib.contextmanager
     def exclusive(self, name: str) -> Iterator[None]:
@@ -204,6 +211,6 @@ class Reloader:
                 )
                 continue
             ckpt = result.model.checkpoint
-            detail = f"{len(ckpt.tensors)} tensors, {ckpt.total_bytes} bytes"
+            detail = f"{count(len(ckpt.tensors), 'tensor')}, {ckpt.total_bytes} bytes"
             outcomes.append(ReloadOutcome(model.name, True, detail, result.seconds))
         return outcomes

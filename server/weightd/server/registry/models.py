@@ -259,12 +259,15 @@ class ModelRegistry:
             loading = name in self._loading
         if model is None:
             if loading:
-                raise ModelNotReady(f"model {name!r} is still being verified")
+                raise ModelNotReady(f"model {name!r} is still being verified", model=name)
             raise ModelNotFound(
-                f"model {echo(name)} is not served here (serving: {', '.join(self.names())})"
+                f"model {echo(name)} is not served here (serving: {', '.join(self.names())})",
+                model=name,
             )
         if model.broken is not None:
-            raise DataIntegrityError(f"model {name!r} is not served until reloaded: {model.broken}")
+            raise DataIntegrityError(
+                f"model {name!r} is not served until reloaded: {model.broken}", model=name
+            )
         return model
 
     def close(self) -> None:

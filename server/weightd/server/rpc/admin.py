@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
+from typing import Final
 
 import grpc
 
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from ..base.errors import NoAdapters
+from ..base.errors import NoAdapters, WorkerOnly
 from ..registry.loading import Reloader
 from .adapters import Adapters
 from .guards import AdminAuthorizer
-from .interceptors import RpcObserver
+from .interceptors import Handler, RpcObserver
 from .requests import RequestGuard
-from .status import unary
+from .status import abort, unary
+from .wire import WEIGHTS_SERVICE
 
 log = logging.getLogger("weightd.admin")
 
@@ -85,10 +87,12 @@ def create_admin_server(
     allowed: frozenset[str] | None,
     adapters: Adapters | None = None,
     bounds: grpc.ServerInterceptor | None = None,
+    worker_target: str | None = None,
 ) -> grpc.Server:
     """A small gRPC server carrying only the Admin service (ports are added by the caller).
 
     ``bounds`` (the daemon's :class:`~.streams.StreamBounds`) bounds any server stream.
+    A worker RPC sent here is answered :class:`WorkerOnly`, naming ``worker_target``.
     """
     interceptors: list[grpc.ServerInterceptor] = [observer, RequestGuard()]
     if bounds is not None:
@@ -100,4 +104,35 @@ def create_admin_server(
         maximum_concurrent_rpcs=4,
     )
     pb_grpc.add_AdminServicer_to_server(AdminService(reloader, adapters), server)
+    server.add_generic_rpc_handlers([WorkerMethods(worker_target)])
     return server
+
+
+#: Services only the worker listener serves: a call to one here is a client aimed at
+#: the wrong socket, told so (not gRPC's bare "Method not found!").
+WORKER_SERVICES: Final = (WEIGHTS_SERVICE, "grpc.health.v1.Health", "grpc.reflection.")
+
+
+class WorkerMethods(grpc.GenericRpcHandler):
+    """On the admin listener: every worker method answers :class:`WorkerOnly`."""
+
+    def __init__(self, worker_target: str | None) -> None:
+        self._worker = worker_target
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        method = handler_call_details.method
+        if not method.lstrip("/").startswith(WORKER_SERVICES):
+            return None
+        where = f"the worker listener at {self._worker}" if self._worker else "the worker listener"
+        error = WorkerOnly(
+            f"{method} is a worker RPC and this is the daemon's admin listener: connect to "
+            f"{where} instead",
+            worker=self._worker or "",
+        )
+
+        def deny(request: bytes, context: grpc.ServicerContext) -> bytes:
+            abort(context, error, method)
+
+        # Unary whatever the method's kind: one request read (every worker method takes
+        # one), then the status; a streaming client sees it as its stream's end.
+        return grpc.unary_unary_rpc_method_handler(deny, bytes, bytes)

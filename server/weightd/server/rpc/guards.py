@@ -14,9 +14,10 @@ from typing import Any, Final
 
 import grpc
 
+from weightd.common.addresses import Address
 from weightd.v1 import weightd_pb2 as pb
 
-from ..base.errors import PermissionDenied, Unauthenticated, WeightdError
+from ..base.errors import AdminOnly, PermissionDenied, Unauthenticated, WeightdError
 from .interceptors import Behavior, Handler, rewrap
 from .status import abort
 from .wire import ADMIN_SERVICE
@@ -32,11 +33,15 @@ ADMIN_METHODS: Final = {f"/{ADMIN_SERVICE}/{m.name}": m.server_streaming for m i
 
 
 class AdminGate(grpc.ServerInterceptor):
-    """On the worker listener: every Admin method is PERMISSION_DENIED, with the reason.
+    """On the worker listener: every Admin method is :class:`AdminOnly`
+    (PERMISSION_DENIED), naming the admin listener (``admin``; None: there is none).
 
     Without it a worker would get UNIMPLEMENTED, which reads like a version mismatch
     rather than "wrong door".
     """
+
+    def __init__(self, admin: Address | None = None) -> None:
+        self._admin = admin.grpc_target if admin is not None else None
 
     def intercept_service(
         self,
@@ -46,9 +51,14 @@ class AdminGate(grpc.ServerInterceptor):
         method = handler_call_details.method
         if method not in ADMIN_METHODS:
             return continuation(handler_call_details)
-        error = PermissionDenied(
-            f"{method} is an admin RPC; it is served only on the daemon's admin listener "
-            "(--admin-listen), never on the worker listener"
+        where = (
+            f"connect to the admin listener at {self._admin}"
+            if self._admin
+            else "this daemon runs no admin listener (--admin-listen none)"
+        )
+        error = AdminOnly(
+            f"{method} is an admin RPC and this is the daemon's worker listener: {where}",
+            admin=self._admin or "",
         )
 
         def deny(request: Any, context: grpc.ServicerContext) -> Any:

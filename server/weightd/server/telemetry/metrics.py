@@ -102,14 +102,16 @@ class Metrics:
             ),
             fetch_seconds=Histogram(
                 "weightd_fetch_duration_seconds",
-                "Duration of Fetch streams that completed OK, by transport.",
+                "Duration of fetches that completed OK, by transport (grpc: the Fetch stream; "
+                "shm, cuda_ipc: from the side channel's request to its grant, pack built).",
                 ["transport"],
                 buckets=FETCH_BUCKETS,
                 registry=registry,
             ),
             served_bytes=Counter(
                 "weightd_served_bytes",
-                "Tensor payload bytes sent to workers, by transport and model.",
+                "Tensor payload bytes sent to workers, by transport (grpc, shm, cuda_ipc: the "
+                "granted slices' bytes) and model.",
                 ["transport", "model"],
                 registry=registry,
             ),
@@ -151,6 +153,7 @@ class Metrics:
         """Create the per-model series at zero once the operator's model is known, so
         rates and alerts work from the first scrape rather than from the first event."""
         self.served_bytes.labels("grpc", model)
+        self.served_bytes.labels("shm", model)
         self.reloads.labels(model, "ok")
         self.reloads.labels(model, "failed")
 

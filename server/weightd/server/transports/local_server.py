@@ -36,6 +36,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Final
 
 from google.protobuf.message import DecodeError
@@ -45,8 +46,9 @@ from weightd.common.frames import MAX_REQUEST_FRAME_BYTES, FrameError, recv_fram
 from weightd.v1 import local_pb2 as lpb
 
 from ..adapters.service import AdapterService
-from ..base.errors import ListenError, SideChannelFull
+from ..base.errors import Code, ListenError, SideChannelFull
 from ..registry.models import ModelRegistry
+from ..telemetry.metrics import Metrics
 from .local_service import PackService, local_error
 from .options import LOCAL_SOCKET_SUFFIX, LocalConfig
 
@@ -63,6 +65,46 @@ def _peer_pid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, _, _ = struct.unpack("3i", creds)
     return int(pid)
+
+
+#: The ``service`` label of side-channel requests in ``weightd_rpcs_total``.
+LOCAL_SERVICE: Final = "weightd.v1.Local"
+_METHODS: Final = {"acquire": "AcquirePack", "attach": "AttachPack", "stats": "PackStats"}
+
+
+class LocalObserver:
+    """The side channel in the daemon's RPC metrics, as the gRPC edge's interceptor counts
+    Fetch: every answer in ``weightd_rpcs_total{service="weightd.v1.Local"}`` by request
+    and code; each model pack granted in ``weightd_served_bytes_total`` (the granted
+    tensors' bytes) and ``weightd_fetch_duration_seconds``, with ``transport="shm"``
+    (``"cuda_ipc"`` for a GPU pack). Shared memory is the default on one host, so
+    without this most fetches never showed. ``resolve`` maps a model name to its
+    operator-configured label (None: not counted by model: a bounded label set)."""
+
+    def __init__(self, metrics: Metrics, resolve: Callable[[str], str | None]) -> None:
+        self._metrics = metrics
+        self._resolve = resolve
+
+    def answered(
+        self, request: lpb.LocalRequest, response: lpb.LocalResponse, seconds: float
+    ) -> None:
+        method = _METHODS.get(request.WhichOneof("request") or "", "Unknown")
+        code = "OK"
+        if response.WhichOneof("response") == "error":
+            try:
+                code = Code(response.error.code).name
+            except ValueError:
+                code = "UNKNOWN"
+        self._metrics.rpcs.labels(LOCAL_SERVICE, method, code).inc()
+        if response.WhichOneof("response") != "grant" or response.grant.HasField("adapter"):
+            return
+        grant = response.grant
+        transport = "cuda_ipc" if grant.placement == lpb.PLACEMENT_CUDA else "shm"
+        sent = sum(e.nbytes for e in grant.entries)
+        model = self._resolve(grant.model)
+        if sent and model is not None:
+            self._metrics.served_bytes.labels(transport, model).inc(sent)
+        self._metrics.fetch_seconds.labels(transport).observe(seconds)
 
 
 class LocalServer:
@@ -88,6 +130,8 @@ class LocalServer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
+        #: Counts and times each answer in the daemon's metrics (set by the daemon).
+        self.observer: LocalObserver | None = None
         service.connections = self._count
 
     def _count(self) -> int:
@@ -196,8 +240,11 @@ class LocalServer:
             except DecodeError as exc:
                 raise FrameError(f"undecodable request: {exc}") from None
             del got
+            started = time.monotonic()
             outcome = self.service.handle(request)
             lease = outcome.lease
+            if self.observer is not None:  # before the answer: a client reads the metrics next
+                self.observer.answered(request, outcome.response, time.monotonic() - started)
             conn.settimeout(self.request_timeout)  # the whole answer (sendall), however big
             send_frame(conn, outcome.response.SerializeToString(), outcome.fds)
             if lease is None:

@@ -1,7 +1,7 @@
 """The side channel's request handling: resolve, plan, lease a pack, answer. No sockets here.
 
 Like the gRPC servicer it is thin, and errors become a status in one place
-(:func:`~weightd.server.base.errors.status_for`); a :class:`TransportError` is flagged
+(:func:`~weightd.server.base.errors.error_status`); a :class:`TransportError` is flagged
 as the transport's own failure, so a client on ``transport="auto"`` falls back to
 gRPC instead of giving up.
 
@@ -49,7 +49,7 @@ from ..base.errors import (
     PlacementUnavailable,
     StaleGrant,
     TransportError,
-    status_for,
+    error_status,
 )
 from ..packs.build import HostPack, build_host_pack, layout_pack
 from ..packs.cache import Lease, PackCache
@@ -78,15 +78,22 @@ def pack_label(layout: Layout) -> str:
 
 
 def local_error(error: BaseException, what: str) -> lpb.LocalError:
-    """The side channel's answer to a failure: its status from the one table.
+    """The side channel's answer to a failure: its status from the one table, with the
+    error's class and fields (``reason``, ``metadata``) as gRPC's rich status has them.
 
     A :class:`TransportError` is flagged as the transport's own failure, so a client on
     ``transport="auto"`` falls back to gRPC instead of giving up.
     """
-    code, detail = status_for(error)
-    if code is Code.INTERNAL:
+    status = error_status(error)
+    if status.code is Code.INTERNAL:
         log.error("side-channel %s failed", what, exc_info=error)
-    return lpb.LocalError(code=code, detail=detail, transport=isinstance(error, TransportError))
+    return lpb.LocalError(
+        code=status.code,
+        detail=status.detail,
+        transport=isinstance(error, TransportError),
+        reason=status.reason,
+        metadata=status.metadata,
+    )
 
 
 class PackService:

@@ -141,14 +141,22 @@ class Progress:
             self.on_advance(done, self.total)
 
 
+class HashingStopped(Exception):
+    """A shard's hashing stopped because the whole pass was given up (see :func:`hash_shards`)."""
+
+
 def hash_shard(
     job: ShardJob,
     progress: Progress | None = None,
     block_bytes: int = BLOCK_BYTES,
     depth: int = DEPTH,
     fadvise: bool = True,
+    stop: threading.Event | None = None,
 ) -> ShardDigests:
-    """Read ``job``'s file once; return its SHA-256 and every tensor's BLAKE3."""
+    """Read ``job``'s file once; return its SHA-256 and every tensor's BLAKE3.
+
+    ``stop``: checked before each block; once set, :class:`HashingStopped` is raised.
+    """
     file_lane = _FileLane(job.size, job.sha256, job.git_sha1)
     tensor_lane = _TensorLane(job.tensors)
     buffers = [bytearray(block_bytes) for _ in range(max(1, depth))]
@@ -170,6 +178,8 @@ def hash_shard(
     ):
         try:
             for i, offset in enumerate(range(0, job.size, block_bytes)):
+                if stop is not None and stop.is_set():
+                    raise HashingStopped(job.path)
                 if len(inflight) == len(buffers):
                     drain_one()  # frees buffers[i % depth], the oldest in flight
                 if fadvise and hasattr(os, "posix_fadvise"):
@@ -219,11 +229,25 @@ def hash_shards(
     """:func:`hash_shard` for every job, ``threads`` shards at a time (default: cores).
 
     Biggest shards start first so a lone large shard does not finish last by itself.
+
+    Anything that ends the wait early (a shard's error, a signal raised in this thread
+    to stop start-up) stops the whole pass within a block: shards not started are
+    dropped and those hashing stop, so a Ctrl-C is not followed by minutes of hashing
+    (and a progress bar drawn on to 100 %) before the daemon exits.
     """
     if not jobs:
         return {}
     workers = max(1, min(threads or os.cpu_count() or 1, len(jobs)))
     ordered = sorted(jobs, key=lambda j: -j.size)
-    with ThreadPoolExecutor(workers, thread_name_prefix="weightd-hash") as pool:
-        futures = {j.name: pool.submit(hash_shard, j, progress, block_bytes) for j in ordered}
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="weightd-hash")
+    try:
+        futures = {
+            j.name: pool.submit(hash_shard, j, progress, block_bytes, stop=stop) for j in ordered
+        }
         return {name: futures[name].result() for name in (j.name for j in jobs)}
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

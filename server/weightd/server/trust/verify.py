@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ..base.cleanup import closing
 from ..base.errors import CheckpointError, ManifestSyntaxError, WeightdError
 from ..base.readfile import ReadRefused, read_bounded
+from ..base.words import count
 from ..checkpoint.config_check import check_layout
 from ..checkpoint.description import Checkpoint
 from ..checkpoint.scan import Scan, scan_checkpoint
@@ -71,6 +72,9 @@ class VerifyOptions:
     #: Compute each shard's SHA-256. None: only when a manifest or the cache blob
     #: names will be compared with it (serving itself needs the per-tensor BLAKE3 only).
     file_sha256: bool | None = None
+    #: Hash at all. False: every check but the digests (trust files, structure, layout),
+    #: which ``weightd serve`` runs before its first log line; the digests come after.
+    digests: bool = True
 
     def manifest_for(self, name: str) -> str | None:
         return self.manifests.get(name) or self.manifests.get("")
@@ -190,6 +194,9 @@ def verify_checkpoint(
     if ckpt is None or v.problems or not trusted:
         v.notes.append("digests not computed: fix the problems above first")
         return v
+    if not options.digests:
+        v.notes.append("digests not computed: structure only, as asked")
+        return v
     need_sha256 = options.file_sha256
     if need_sha256 is None:
         need_sha256 = manifest is not None or snapshot is not None
@@ -298,9 +305,9 @@ def _digests(
         )
     if jobs:
         log.info(
-            "hashed %s: %d shards, %.2f GiB in %.2fs (%.2f GB/s, %s)%s",
+            "hashed %s: %s, %.2f GiB in %.2fs (%.2f GB/s, %s)%s",
             ckpt.name,
-            len(jobs),
+            count(len(jobs), "shard"),
             total / (1 << 30),
             v.hash_seconds,
             total / v.hash_seconds / 1e9 if v.hash_seconds > 0 else 0.0,
@@ -308,5 +315,9 @@ def _digests(
             f"; {len(v.cached_shards)} from the hash cache" if v.cached_shards else "",
         )
     elif v.cached_shards:
-        log.info("%s: all %d shards unchanged since hashed (hash cache)", ckpt.name, len(out))
+        log.info(
+            "%s: %s unchanged since hashed (hash cache)",
+            ckpt.name,
+            "the shard" if len(out) == 1 else f"all {len(out)} shards",
+        )
     return {s: out[s] for s in ckpt.shards}
