@@ -112,7 +112,7 @@ def test_model_from_store_is_bit_identical_and_a_warm_restart_downloads_nothing(
 
 
 def _journal_bytes(cache: Path) -> int:
-    for journal in cache.glob("sources/*/v-*.partial/journal.json"):
+    for journal in cache.glob("sources/*/v-*.partial/.journal.json"):
         with_done = json.loads(journal.read_text())["done"]
         return sum(b - a for ranges in with_done.values() for a, b in ranges)
     return 0

@@ -5,7 +5,7 @@ subdirectory per object-store version of it.
 <cache-dir>/sources/<id>/            0700; id = SHA-256 of endpoint, bucket and prefix
   source.json                        what it is (for people; never read back)
   lock                               flock: one downloader per source per host
-  v-<fp>.partial/                    a download in progress: NAME.part files + journal.json
+  v-<fp>.partial/                    a download in progress: .part-<h> files + .journal.json
   v-<fp>/                            a complete version: exactly the pinned files
 ```
 
@@ -32,12 +32,14 @@ from dataclasses import dataclass
 from typing import Final
 
 from ..base.atomicio import write_atomic
-from .download import PART_SUFFIX
+from .download import part_name
 from .journal import Journal, load_journal
 from .location import S3Location
 from .s3 import RemoteObject
 
-JOURNAL: Final = "journal.json"
+#: Dot-named, as the part files are: no object's name can be it (an object called
+#: ``journal.json`` is a file of the version like any other).
+JOURNAL: Final = ".journal.json"
 PARTIAL: Final = ".partial"
 VERSION_PREFIX: Final = "v-"
 #: Versions kept per source: the newest and the one it replaces.
@@ -127,7 +129,7 @@ class SourceDir:
             load_journal(os.path.join(directory, JOURNAL)) if os.path.isdir(directory) else None
         )
         if journal is not None and journal.matches(objects):
-            # NAME exists only once NAME.part passed its check and was renamed (perhaps
+            # NAME exists only once its part file passed its check and was renamed (perhaps
             # just before a crash, with the journal not yet saved): complete at its size,
             # and nothing else is.
             for name, pin in journal.pins.items():
@@ -138,7 +140,7 @@ class SourceDir:
                 else:
                     journal.complete.discard(name)
             for name in list(journal.done):
-                if not os.path.isfile(os.path.join(directory, name + PART_SUFFIX)):
+                if not os.path.isfile(os.path.join(directory, part_name(name))):
                     journal.done.pop(name)
             return directory, journal
         shutil.rmtree(directory, ignore_errors=True)
@@ -162,15 +164,15 @@ class SourceDir:
         self.prune({final, *keep})
         return final
 
-    def prune(self, keep: set[str]) -> None:
-        """Remove complete versions other than ``keep`` beyond the newest
-        :data:`KEEP_VERSIONS` (a version in ``keep`` is never removed)."""
+    def prune(self, keep: set[str], keep_newest: int = KEEP_VERSIONS) -> None:
+        """Remove complete versions other than ``keep`` beyond the newest ``keep_newest``
+        (a version in ``keep`` is never removed)."""
         versions = [
             os.path.join(self.path, e)
             for e in os.listdir(self.path)
             if e.startswith(VERSION_PREFIX) and not e.endswith(PARTIAL)
         ]
         versions.sort(key=lambda p: os.stat(p).st_mtime_ns, reverse=True)
-        for old in versions[KEEP_VERSIONS:]:
+        for old in versions[keep_newest:]:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
