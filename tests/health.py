@@ -21,8 +21,10 @@ def wait_serving(
     timeout: float = 120,
     credentials: grpc.ChannelCredentials | None = None,
     poll: float = 0.1,
+    service: str = "",
 ) -> None:
-    """Poll grpc.health.v1 until the overall status is SERVING (or the daemon dies)."""
+    """Poll grpc.health.v1 until ``service``'s status (default: the overall one) is
+    SERVING, or the daemon dies."""
     deadline = time.monotonic() + timeout
     channel = (
         grpc.insecure_channel(target)
@@ -37,7 +39,7 @@ def wait_serving(
                     f"daemon exited with {process.returncode}:\n{log_path.read_text()}"
                 )
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:

@@ -84,17 +84,35 @@ def write_blob_model(directory: Path, megabytes: int, seed: int = 0) -> Path:
     return directory
 
 
-def make_manifest(directory: Path, out: Path) -> Path:
+def make_manifest(directory: Path, out: Path, sign_key: Path | None = None) -> Path:
     from tests.conftest import weightd_command
 
+    sign = ["--sign-key", str(sign_key)] if sign_key is not None else []
     done = subprocess.run(
-        weightd_command("manifest", "create", str(directory), "-o", str(out)),
+        weightd_command("manifest", "create", str(directory), "-o", str(out), *sign),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
     return out
+
+
+def make_key(directory: Path) -> tuple[Path, Path]:
+    """A fresh Ed25519 signing key pair: (private, public)."""
+    from tests.conftest import weightd_command
+
+    private, public = directory / "sign.key", directory / "sign.key.pub"
+    done = subprocess.run(
+        weightd_command(
+            "manifest", "keygen", "--out-private", str(private), "--out-public", str(public)
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return private, public
 
 
 def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:

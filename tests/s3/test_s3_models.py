@@ -22,6 +22,7 @@ from tests.s3.conftest import (
     SECRET_KEY,
     WRONG_SECRET,
     SeaweedS3,
+    make_key,
     make_manifest,
     metric,
     scrape,
@@ -73,7 +74,9 @@ def test_model_from_store_is_bit_identical_and_a_warm_restart_downloads_nothing(
     local = transformers_models["llama-gqa"]
     bucket = seaweed.bucket()
     seaweed.upload_dir(local, bucket, "llama/")
-    manifest = make_manifest(local, tmp_path / "manifest.json")
+    # An s3:// manifest is a trust root only when signed by a --trust-key.
+    private, public = make_key(tmp_path)
+    manifest = make_manifest(local, tmp_path / "manifest.json", private)
     key = "manifests/llama.json"
     seaweed.client().put_object(Bucket=bucket, Key=key, Body=manifest.read_bytes())
     _env(monkeypatch, seaweed)
@@ -85,6 +88,8 @@ def test_model_from_store_is_bit_identical_and_a_warm_restart_downloads_nothing(
         seaweed.endpoint,
         "--manifest",
         f"remote=s3://{bucket}/{key}",
+        "--trust-key",
+        str(public),
         "--metrics-listen",
         "127.0.0.1:0",
         "--s3-part-bytes",

@@ -191,11 +191,11 @@ class AdapterService:
             try:
                 adapter = load_adapter(resolved.directory, [root], base, expected, room)
             except BaseException as exc:
-                resolver.reject(resolved)
+                resolver.reject(resolved.directory)
                 if isinstance(exc, CheckpointError):
                     raise naming(exc, resolved.directory, uri) from None
                 raise
-            resolver.accept(uri, resolved)
+            resolver.accept(uri, resolved.directory)
             return adapter
 
         return load

@@ -25,6 +25,8 @@ from .requests import RequestGuard
 from .status import unary
 
 log = logging.getLogger("weightd.admin")
+#: A deadline further away than this is no deadline (gRPC reports "none" as a huge one).
+MAX_RELOAD_WAIT_SECONDS = 365 * 86400.0
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -69,7 +71,11 @@ class AdminService(pb_grpc.AdminServicer):
 
     @unary
     def Reload(self, request: pb.ReloadRequest, context: grpc.ServicerContext) -> pb.ReloadResponse:
-        result = self._reloader.reload(request.model)
+        # The caller's deadline bounds the reload: past it the load is cancelled and
+        # publishes nothing, and the model's reload lock is not held by a call gone.
+        left = context.time_remaining()
+        timeout = left if left is not None and left < MAX_RELOAD_WAIT_SECONDS else None
+        result = self._reloader.reload(request.model, timeout)
         ckpt = result.model.checkpoint
         return pb.ReloadResponse(
             model=ckpt.name,

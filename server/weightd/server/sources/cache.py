@@ -89,6 +89,13 @@ class SourceDir:
         _mkdir_private(path)
         info = {"endpoint": endpoint, "bucket": location.bucket, "prefix": location.prefix}
         write_atomic(os.path.join(path, "source.json"), json.dumps(info).encode(), mode=0o600)
+        with cls.locked(path) as held:
+            yield held
+
+    @classmethod
+    @contextlib.contextmanager
+    def locked(cls, path: str) -> Iterator[SourceDir]:
+        """The existing source directory ``path``, under its lock."""
         fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # another daemon on this host downloading it: wait

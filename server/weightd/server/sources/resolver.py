@@ -102,8 +102,8 @@ class Resolved:
     """A source as a local directory, and the verify options that go with it.
 
     A downloaded (or warm) version is not yet *serving*: the caller verifies it, then
-    calls :meth:`SourceResolver.accept` (it may serve: never pruned) or
-    :meth:`SourceResolver.reject` (it failed: removed, nothing unverified stays cached).
+    calls :meth:`SourceResolver.accept` once it is published (it serves: never pruned)
+    or :meth:`SourceResolver.reject` (it failed: removed, nothing unverified stays).
     """
 
     directory: str
@@ -207,18 +207,31 @@ class SourceResolver:
         with self._lock:
             return set(self._serving.get(source_dir, {}).values())
 
-    def accept(self, owner: str, resolved: Resolved) -> None:
-        """``owner`` now serves ``resolved`` (it passed verification): never pruned; the
-        version it served before may go at the next prune."""
-        if resolved.source_dir:
-            with self._lock:
-                self._serving.setdefault(resolved.source_dir, {})[owner] = resolved.directory
+    def _source_of(self, directory: str) -> str | None:
+        """The source cache directory ``directory`` is a version of; None when it is not
+        one of the cache's (a local model's directory: never touched)."""
+        if not self.options.cache_dir:
+            return None
+        parent = os.path.dirname(os.path.abspath(directory))
+        root = os.path.abspath(self.options.cache_dir)
+        return parent if os.path.dirname(parent) == root else None
 
-    def reject(self, resolved: Resolved) -> None:
-        """``resolved`` failed verification (or its reload was abandoned): removed from
+    def accept(self, owner: str, directory: str) -> None:
+        """``owner`` (a model, an adapter source) now serves ``directory``: it passed
+        verification and was published; never pruned while it serves. The version it
+        served before may go at the next prune."""
+        source_dir = self._source_of(directory)
+        if source_dir is not None:
+            with self._lock:
+                self._serving.setdefault(source_dir, {})[owner] = os.path.abspath(directory)
+
+    def reject(self, directory: str) -> None:
+        """``directory`` failed verification (or its reload was abandoned): removed from
         the cache unless something serves it, so nothing unverified is kept."""
-        if resolved.source_dir and resolved.directory not in self._keep(resolved.source_dir):
-            shutil.rmtree(resolved.directory, ignore_errors=True)
+        source_dir = self._source_of(directory)
+        if source_dir is not None and os.path.abspath(directory) not in self._keep(source_dir):
+            with SourceDir.locked(source_dir):
+                shutil.rmtree(directory, ignore_errors=True)
 
     # --- models ----------------------------------------------------------------------
 
