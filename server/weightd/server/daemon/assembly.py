@@ -391,7 +391,7 @@ def serve(config: ServeConfig) -> int:
     registry = daemon.registry
     failed = [n for n in registry.names() if registry.state(n)[0] == "failed"]
     serving = [n for n in registry.names() if n not in failed]
-    extra = {"failed": ",".join(failed)} if failed else {}
+    extra: dict[str, object] = {"failed": ",".join(failed)} if failed else {}
     logs.event("serving", models=",".join(serving), target=daemon.target, **extra)
     signals.wait()
     status = lifecycle.drain(daemon, config.server.grace, signals)
