@@ -391,8 +391,12 @@ def serve(config: ServeConfig) -> int:
     registry = daemon.registry
     failed = [n for n in registry.names() if registry.state(n)[0] == "failed"]
     serving = [n for n in registry.names() if n not in failed]
-    extra: dict[str, object] = {"failed": ",".join(failed)} if failed else {}
-    logs.event("serving", models=",".join(serving), target=daemon.target, **extra)
+    if failed:  # these serve nothing; a reload retries them
+        logs.event(
+            "serving", models=",".join(serving), target=daemon.target, failed=",".join(failed)
+        )
+    else:
+        logs.event("serving", models=",".join(serving), target=daemon.target)
     signals.wait()
     status = lifecycle.drain(daemon, config.server.grace, signals)
     logs.event("exit", status=status, aborted=signals.aborted)
