@@ -292,3 +292,262 @@ def _metrics_url(log: str) -> str:
     url = listening_address(log, "metrics")
     assert url is not None
     return url
+
+
+# --- cases 2 and 3 on reload: the caller's deadline holds, the lock is never held -----
+
+
+def test_a_reload_honours_its_deadline_and_never_blocks_the_next(
+    hostile: HostileStore, blob: Path, tmp_path: Path
+) -> None:
+    """A reload whose listing drips, then one whose new shard drips: each answers
+    DEADLINE_EXCEEDED by its deadline, publishes nothing (the verified version serves),
+    and the next reload is not blocked; once the store behaves, a reload publishes."""
+    from weightd.client.errors import DeadlineExceededError
+
+    local = write_blob_model(tmp_path / "local", 1, seed=5)
+    v2 = write_blob_model(tmp_path / "v2", 1, seed=6)
+    bucket = hostile.bucket()
+    hostile.upload_dir(blob, bucket, "m/")
+    models = [("local", str(local)), ("remote", f"s3://{bucket}/m/")]
+    want_v1 = load_file(str(blob / "model.safetensors"))
+    with (
+        serve(tmp_path, hostile, models, ["--trust-object-store"], ready="remote") as d,
+        WeightClient(d.target, timeout=60) as client,
+    ):
+        same(client.fetch(0, 1, model="remote"), want_v1)
+        hostile.scenario(bucket, slow_list={"every": 0.5})
+        for _ in range(2):  # the second is not blocked by the first
+            with d.admin(timeout=3) as admin, pytest.raises(DeadlineExceededError) as caught:
+                admin.reload("remote")
+            assert "remote" in str(caught.value), caught.value
+        hostile.upload_dir(v2, bucket, "m/")
+        hostile.scenario(bucket, drip={"every": 0.5, "keys_ending": [".safetensors"]})
+        # (1.5 s: before the minimum rate, after its 2 s grace, would end it anyway)
+        with d.admin(timeout=1.5) as admin, pytest.raises(DeadlineExceededError) as caught:
+            admin.reload("remote")
+        assert "did not finish within" in str(caught.value), caught.value
+        same(client.fetch(0, 1, model="remote"), want_v1)  # nothing was published
+        same(client.fetch(0, 1, model="local"), load_file(str(local / "model.safetensors")))
+        assert "outcome=timed_out" in d.log()
+        hostile.scenario(bucket)
+        with d.admin(timeout=60) as admin:
+            deadline = time.monotonic() + 30
+            while True:  # the cancelled load lets go of the lock within moments
+                try:
+                    admin.reload("remote")
+                    break
+                except DeadlineExceededError:
+                    assert time.monotonic() < deadline
+        same(client.fetch(0, 1, model="remote"), load_file(str(v2 / "model.safetensors")))
+        assert d.peak_rss() < MAX_RSS_BYTES
+
+
+# --- case 5: failed reloads never touch the serving version ---------------------------
+
+
+def test_failed_reloads_never_prune_the_serving_version_and_a_restart_is_warm(
+    hostile: HostileStore, blob: Path, tmp_path: Path
+) -> None:
+    """Five reloads that download a version failing verification: each is refused and
+    its download removed, the serving version's directory stays, the cache never holds
+    more than two versions; a restart finds the serving version warm."""
+    from weightd.client.errors import FailedPreconditionError
+
+    local = write_blob_model(tmp_path / "local", 1, seed=7)
+    bucket = hostile.bucket()
+    hostile.upload_dir(blob, bucket, "m/")
+    models = [("local", str(local)), ("remote", f"s3://{bucket}/m/")]
+    want = load_file(str(blob / "model.safetensors"))
+    with (
+        serve(tmp_path, hostile, models, ["--trust-object-store"], ready="remote") as d,
+        WeightClient(d.target, timeout=60) as client,
+        d.admin() as admin,
+    ):
+        (serving,) = cached_versions(tmp_path)
+        for i in range(5):
+            bad = write_blob_model(tmp_path / f"bad{i}", 1, seed=10 + i)
+            hostile.upload_dir(bad, bucket, "m/")
+            hostile.put(bucket, "m/config.json", b'{"architectures": [' + bytes([48 + i]))
+            with pytest.raises(FailedPreconditionError, match=r"config\.json"):
+                admin.reload("remote")
+            assert cached_versions(tmp_path) == [serving]
+            same(client.fetch(0, 1, model="remote"), want)
+            same(client.fetch(0, 1, model="local"), load_file(str(local / "model.safetensors")))
+        assert (
+            metric(
+                scrape(_metrics_url(d.log())),
+                "weightd_model_state",
+                {"model": "remote", "state": "ready"},
+            )
+            == 1
+        )
+    hostile.upload_dir(blob, bucket, "m/")  # the served version is back in the store
+    with (
+        serve(tmp_path, hostile, models, ["--trust-object-store"], ready="remote") as d,
+        WeightClient(d.target, timeout=60) as client,
+    ):
+        same(client.fetch(0, 1, model="remote"), want)
+        text = scrape(_metrics_url(d.log()))
+        assert metric(text, "weightd_source_downloaded_bytes_total", {"kind": "model"}) == 0
+        assert metric(text, "weightd_source_downloads_total", {"outcome": "warm"}) == 1
+
+
+# --- case 6: an unsigned manifest in the bucket is no trust root ---------------------
+
+
+def test_an_unsigned_manifest_in_the_bucket_is_not_a_trust_root(
+    hostile: HostileStore, blob: Path, keys: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A rewritten shard with a matching rewritten unsigned ``s3://`` manifest is
+    refused (nothing of the shard downloaded); signed by a --trust-key it is served."""
+    private, public = keys
+    local = write_blob_model(tmp_path / "local", 1, seed=8)
+    evil = write_blob_model(tmp_path / "evil", 1, seed=9)
+    bucket = hostile.bucket()
+    hostile.upload_dir(evil, bucket, "m/")
+    hostile.put(bucket, "manifest.json", make_manifest(evil, tmp_path / "evil.json").read_bytes())
+    models = [("local", str(local)), ("remote", f"s3://{bucket}/m/")]
+    extra = ["--manifest", f"remote=s3://{bucket}/manifest.json"]
+    with serve(tmp_path, hostile, models, extra, ready="local") as d:
+        reason = d.wait_state("remote", ["failed"])
+        assert (
+            f"manifest s3://{bucket}/manifest.json comes from the object store and is not "
+            "signed by a --trust-key" in reason
+        ), reason
+        with WeightClient(d.target, timeout=60) as client:
+            same(client.fetch(0, 1, model="local"), load_file(str(local / "model.safetensors")))
+        assert hostile.stats(bucket).get("get", 0) == 1  # the manifest; no shard byte
+        assert not cached_versions(tmp_path)
+    # Signed by the operator's key: the origin is proven, the bytes are served.
+    hostile.upload_dir(blob, bucket, "m/")
+    signed = make_manifest(blob, tmp_path / "signed.json", private)
+    hostile.put(bucket, "manifest.json", signed.read_bytes())
+    extra += [
+        "--trust-key",
+        str(public),
+        "--manifest",
+        f"local={make_manifest(local, tmp_path / 'l.json', private)}",
+    ]
+    with (
+        serve(tmp_path, hostile, models, extra, ready="remote") as d,
+        WeightClient(d.target, timeout=60) as client,
+    ):
+        same(client.fetch(0, 1, model="remote"), load_file(str(blob / "model.safetensors")))
+
+
+# --- case 9: an answer that cannot prove its version ---------------------------------
+
+
+def test_answers_that_cannot_prove_their_version_are_refused(
+    hostile: HostileStore, blob: Path, tmp_path: Path
+) -> None:
+    """--trust-object-store, multipart ETags (no MD5 to check), a store that ignores
+    If-Match, drops ETag and Content-Range and answers later ranges from another object:
+    refused, nothing cached; the store fixed, a restart serves the right bytes."""
+    other = write_blob_model(tmp_path / "other", 1, seed=11)
+    local = write_blob_model(tmp_path / "local", 1, seed=12)
+    bucket = hostile.bucket()
+    hostile.upload_dir(blob, bucket, "m/")
+    hostile.put(bucket, "other/model.safetensors", (other / "model.safetensors").read_bytes())
+    hostile.scenario(
+        bucket,
+        multipart_etag={},
+        ignore_if_match={},
+        drop_headers={},
+        mix={"other": "other/model.safetensors", "keys_ending": [".safetensors"]},
+    )
+    models = [("local", str(local)), ("remote", f"s3://{bucket}/m/")]
+    with serve(tmp_path, hostile, models, ["--trust-object-store"], ready="local") as d:
+        reason = d.wait_state("remote", ["failed"])
+        assert "carries no ETag: it cannot prove which version of the object it came from" in reason
+        assert f"s3://{bucket}/m/" in reason
+        assert not cached_versions(tmp_path)
+    hostile.scenario(bucket, multipart_etag={})
+    with (
+        serve(tmp_path, hostile, models, ["--trust-object-store"], ready="remote") as d,
+        WeightClient(d.target, timeout=60) as client,
+    ):
+        same(client.fetch(0, 1, model="remote"), load_file(str(blob / "model.safetensors")))
+
+
+# --- case 10: names the cache must hold ----------------------------------------------
+
+
+def test_long_names_and_an_object_named_like_the_journal_are_cached_and_kept(
+    hostile: HostileStore, blob: Path, tmp_path: Path
+) -> None:
+    """A 255-byte object name and an object called ``journal.json`` are downloaded and
+    kept: a restart downloads nothing."""
+    bucket = hostile.bucket()
+    hostile.upload_dir(blob, bucket, "m/")
+    long_name = "a" * 250 + ".json"
+    hostile.put(bucket, f"m/{long_name}", b"{}")
+    hostile.put(bucket, "m/journal.json", b'{"mine": true}')
+    models = [("remote", f"s3://{bucket}/m/")]
+    for outcome in ("downloaded", "warm"):
+        with serve(tmp_path, hostile, models, ["--trust-object-store"], ready="remote") as d:
+            with WeightClient(d.target, timeout=60) as client:
+                same(client.fetch(0, 1), load_file(str(blob / "model.safetensors")))
+            text = scrape(_metrics_url(d.log()))
+            assert metric(text, "weightd_source_downloads_total", {"outcome": outcome}) == 1
+            (version,) = cached_versions(tmp_path)
+            assert (version / long_name).read_bytes() == b"{}"
+            assert (version / "journal.json").read_bytes() == b'{"mine": true}'
+
+
+# --- cases 4 and 10: adapters judged before they are pulled ---------------------------
+
+
+def test_adapters_are_judged_by_their_listed_sizes_before_any_get(
+    hostile: HostileStore, tmp_path: Path
+) -> None:
+    """Over the budget, or a config over its limit: refused before the first GET, nothing
+    cached. A digest mismatch names the s3:// object, and its download is removed; the
+    right digest loads the same adapter."""
+    from tests.adapters.conftest import BASE_CONFIG, make_adapter
+    from tests.models import build_model
+    from tests.s3.test_s3_adapters import _digest
+    from weightd.client.errors import (
+        DataLossError,
+        FailedPreconditionError,
+        ResourceExhaustedError,
+    )
+
+    base = tmp_path / "tiny-llama"
+    build_model("llama", BASE_CONFIG).save_pretrained(str(base))
+    make_adapter(base, tmp_path / "good", 1, 4)
+    size = sum(
+        (tmp_path / "good" / f).stat().st_size
+        for f in ("adapter_config.json", "adapter_model.safetensors")
+    )
+    bucket = hostile.bucket()
+    hostile.upload_dir(tmp_path / "good", bucket, "adapters/good/")
+    hostile.upload_dir(tmp_path / "good", bucket, "adapters/big-config/")
+    config = (tmp_path / "good" / "adapter_config.json").read_bytes()
+    hostile.put(bucket, "adapters/big-config/adapter_config.json", config + b" " * (5 << 20))
+    hostile.upload_dir(tmp_path / "good", bucket, "adapters/big/")
+    root = f"s3://{bucket}/adapters/"
+    extra = ["--adapter-root", root, "--adapter-budget-bytes", str(size - 1)]
+    with serve(tmp_path, hostile, [("tiny-llama", str(base))], extra, ready="tiny-llama") as d:
+        digest = _digest(tmp_path / "good")
+        with d.admin() as admin:
+            with pytest.raises(ResourceExhaustedError):
+                admin.load_adapter("a", root + "big/", expected_digest=digest)
+            with pytest.raises(FailedPreconditionError, match=r"over the 4194304-byte limit"):
+                admin.load_adapter("b", root + "big-config/", expected_digest=digest)
+            assert hostile.stats(bucket).get("get", 0) == 0  # nothing was pulled
+            assert not cached_versions(tmp_path)
+    extra[-1] = str(size * 2)
+    with (
+        serve(tmp_path, hostile, [("tiny-llama", str(base))], extra, ready="tiny-llama") as d,
+        d.admin() as admin,
+    ):
+        if True:
+            wrong = "sha256:" + "0" * 64
+            with pytest.raises(DataLossError) as caught:
+                admin.load_adapter("c", root + "good/", expected_digest=wrong)
+            assert str(caught.value).startswith(f"DATA_LOSS: {root}good/: adapter digest")
+            assert str(tmp_path / "cache") not in str(caught.value)
+            assert not cached_versions(tmp_path)
+            assert admin.load_adapter("c", root + "good/", expected_digest=digest).digest == digest

@@ -9,7 +9,6 @@ the same calls, so neither transport depends on the other.
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -81,10 +80,12 @@ def naming(exc: CheckpointError, directory: str, uri: str) -> CheckpointError:
     if path == directory or path.startswith(directory + os.sep):
         rest = os.path.relpath(path, directory)
         path = uri if rest == "." else uri + rest
-    out = copy.copy(exc)
+    cls = type(exc)
+    out = cls.__new__(cls)
+    out.__dict__.update(exc.__dict__)
     out.path = path
     out.message = f"{path}: {exc.problem}"
-    out.args = (out.message,)
+    Exception.__init__(out, out.message)
     return out
 
 

@@ -73,8 +73,13 @@ class AdminService(pb_grpc.AdminServicer):
     def Reload(self, request: pb.ReloadRequest, context: grpc.ServicerContext) -> pb.ReloadResponse:
         # The caller's deadline bounds the reload: past it the load is cancelled and
         # publishes nothing, and the model's reload lock is not held by a call gone.
+        # It gives up a moment before the deadline, so the caller hears why.
         left = context.time_remaining()
-        timeout = left if left is not None and left < MAX_RELOAD_WAIT_SECONDS else None
+        timeout = (
+            max(0.0, left - min(0.5, left / 10))
+            if left is not None and left < MAX_RELOAD_WAIT_SECONDS
+            else None
+        )
         result = self._reloader.reload(request.model, timeout)
         ckpt = result.model.checkpoint
         return pb.ReloadResponse(
