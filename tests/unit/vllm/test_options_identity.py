@@ -38,8 +38,12 @@ def test_defaults_are_the_default_socket_and_the_only_model() -> None:
         ({"transport": "cuda_ipc"}, "expected one of ['auto', 'grpc', 'shm']"),
         ({"model": 3}, "must be a non-empty string, got 3"),
         ({"target": ""}, "must be a non-empty string"),
-        ({"timeout": 0}, "must be a positive number"),
-        ({"timeout": True}, "must be a positive number"),
+        ({"timeout": 0}, "must be a positive, finite number"),
+        ({"timeout": True}, "must be a positive, finite number"),
+        ({"timeout": float("nan")}, "must be a positive, finite number of seconds"),
+        ({"timeout": float("inf")}, "must be a positive, finite number of seconds"),
+        ({"timeout": float("-inf")}, "must be a positive, finite number of seconds"),
+        ({"timeout": 1e300}, "at most 86400"),
     ],
 )
 def test_bad_options_are_refused_by_name(extra: dict[str, object], needle: str) -> None:
