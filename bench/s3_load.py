@@ -85,9 +85,9 @@ def _metric(url: str, name: str) -> float:
     return 0.0
 
 
-def run_weightd(endpoint: str, work: Path, extra: list[str]) -> tuple[float, int]:
-    from tests.conftest import listening_address
-    from tests.health import wait_serving
+def run_weightd(endpoint: str, work: Path, extra: list[str], trust_key: Path) -> tuple[float, int]:
+    # tests.health, not tests.conftest: no pytest needed to run the benchmark.
+    from tests.health import listening_address, wait_serving
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -104,6 +104,8 @@ def run_weightd(endpoint: str, work: Path, extra: list[str]) -> tuple[float, int
         f"b=s3://{BUCKET}/{PREFIX}",
         "--manifest",
         f"b=s3://{BUCKET}/manifest.json",
+        "--trust-key",  # an s3:// manifest is a trust root only when signed
+        str(trust_key),
         "--s3-endpoint",
         endpoint,
         "--cache-dir",
@@ -129,9 +131,11 @@ def run_weightd(endpoint: str, work: Path, extra: list[str]) -> tuple[float, int
         text = log.read_text()
         download = re.search(r"download phase=done source=b .*? seconds=([0-9.]+)", text)
         verify = re.search(r"verified model=b .*? seconds=([0-9.]+)", text)
+        hashed = re.search(r"hashed b: .*", text)
         print(
             f"  weightd: download {download.group(1) if download else '?'} s, "
-            f"verify {verify.group(1) if verify else '?'} s",
+            f"verify {verify.group(1) if verify else '?'} s, "
+            f"local pass: {hashed.group(0) if hashed else 'none (digests from the download)'}",
             flush=True,
         )
     finally:
@@ -193,22 +197,15 @@ def main() -> None:
     files = sorted(
         f for f in ckpt.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors")
     )
-    manifest = top / f"manifest-{args.layers}.json"
+    manifest = top / f"manifest-{args.layers}.signed.json"
+    key = top / "bench.key"
+    cli = [sys.executable, "-m", "weightd.server.cli.main", "manifest"]
+    if not key.exists():
+        keygen = ["keygen", "--out-private", str(key), "--out-public", f"{key}.pub"]
+        subprocess.run([*cli, *keygen], check=True, env=_env(""))
     if not manifest.exists():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "weightd.server.cli.main",
-                "manifest",
-                "create",
-                str(ckpt),
-                "-o",
-                str(manifest),
-            ],
-            check=True,
-            env=_env(""),
-        )
+        create = ["create", str(ckpt), "-o", str(manifest), "--sign-key", str(key)]
+        subprocess.run([*cli, *create], check=True, env=_env(""))
     listed = json.loads(manifest.read_text())["files"]
     files = [f for f in files if f.name in listed]
     size = sum(f.stat().st_size for f in files)
@@ -229,12 +226,16 @@ def main() -> None:
             order = ["weightd", "runai", "single"] if i % 2 == 0 else ["single", "runai", "weightd"]
             for who in order:
                 if who == "weightd":
-                    rnd[who] = run_weightd(endpoint, work, args.weightd_args.split())
+                    rnd[who] = run_weightd(
+                        endpoint, work, args.weightd_args.split(), Path(f"{key}.pub")
+                    )
                 elif who == "runai" and not args.skip_runai:
                     rnd[who] = run_runai(endpoint, keys)
                 elif who == "single":
                     rnd[who] = run_single(endpoint, keys, work)
                 print(f"round {i} {who}: {rnd.get(who)}", flush=True)
+            rnd["loadavg"] = os.getloadavg()
+            print(f"round {i} load averages: {rnd['loadavg']}", flush=True)
             results["rounds"].append(rnd)
     summary = {}
     for who in ("weightd", "runai", "single"):
@@ -254,6 +255,10 @@ def main() -> None:
                 summary[f"{who}_over_weightd"] = (
                     summary[who]["median_s"] / summary["weightd"]["median_s"]
                 )
+                summary[f"weightd_over_{who}"] = (
+                    summary["weightd"]["median_s"] / summary[who]["median_s"]
+                )
+    summary["loadavg_end"] = os.getloadavg()
     print(json.dumps(summary, indent=2))
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -46,3 +48,18 @@ def wait_serving(
                 pass
             time.sleep(poll)
     raise RuntimeError(f"daemon not SERVING after {timeout}s:\n{log_path.read_text()}")
+
+
+def listening_address(log: str, listener: str) -> str | None:
+    """The address of ``listener`` from the daemon's ``listening`` lifecycle event
+    (text lines, or JSON lines with ``--log-json``)."""
+    for line in log.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if record.get("event") == "listening" and record.get("listener") == listener:
+                return str(record["address"])
+            continue
+        m = re.search(rf"listening listener={listener} address=(\S+)", line)
+        if m:
+            return m.group(1)
+    return None

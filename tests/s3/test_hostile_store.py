@@ -287,7 +287,7 @@ def test_each_hostile_bucket_fails_alone_bounded_and_a_restart_serves_the_right_
 
 
 def _metrics_url(log: str) -> str:
-    from tests.conftest import listening_address
+    from tests.health import listening_address
 
     url = listening_address(log, "metrics")
     assert url is not None

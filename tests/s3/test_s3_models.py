@@ -108,6 +108,10 @@ def test_model_from_store_is_bit_identical_and_a_warm_restart_downloads_nothing(
         log = d.log()
         assert "download phase=done source=remote" in log and "outcome=downloaded" in log
         assert SECRET_KEY not in log
+        # Each byte was hashed once, on its way in: the local verification found every
+        # shard's digests from the download, and hashed none of them again.
+        assert "remote: all 11 shards unchanged since hashed (hash cache)" in log, log
+        assert "hashed remote" not in log
     with run_daemon(tmp_path, models, extra) as d:
         with WeightClient(d.target, timeout=60) as client:
             _same(client.fetch(1, 2, model="local"), client.fetch(1, 2, model="remote"))

@@ -250,6 +250,7 @@ class Download:
         pending: dict[futures.Future[Range], _File] = {}
         checker = futures.ThreadPoolExecutor(1, thread_name_prefix="weightd-s3-check")
         checks: list[tuple[futures.Future[None], int]] = []
+        last_check: dict[str, futures.Future[None]] = {}
         queue = list(reversed(tasks))
         last_save = time.monotonic()
 
@@ -294,7 +295,13 @@ class Download:
                         fd = os.dup(f.fd)
                         snapshot = frozenset(done_ranges)
                         checks.append((checker.submit(check, f.obj, fd, snapshot), fd))
+                        last_check[f.obj.name] = checks[-1][0]
                     if f.left == 0:
+                        # The checks run in order on one thread: once this file's last
+                        # one is done, every byte of it was seen (and judged) there.
+                        pending_check = last_check.pop(f.obj.name, None)
+                        if pending_check is not None:
+                            pending_check.result()
                         self._finish(f)
                 if failure is None:
                     failure = check_failure()

@@ -46,9 +46,12 @@ from ..base.errors import (
     WeightdError,
     echo,
 )
+from ..store.shards import FileIdentity
 from ..telemetry import logs
 from ..telemetry.metrics import SourceMetrics, source_failure_reason
 from ..telemetry.progress import render_bar
+from ..trust.hashcache import CacheEntry, HashCache
+from ..trust.hashing import ShardDigests, TensorRange
 from ..trust.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from ..trust.signing import check_signature, load_public_key
 from ..trust.verify import VerifyOptions, read_operator_file
@@ -56,7 +59,7 @@ from .cache import JOURNAL, KEEP_VERSIONS, SourceDir, fingerprint
 from .download import Download, DownloadSettings
 from .location import S3Location, adapter_location, is_remote, parse_s3_uri
 from .s3 import RemoteObject, S3Settings, S3Store
-from .tensorcheck import TensorChecker
+from .tensorcheck import FileHashes, TensorChecker
 
 log = logging.getLogger("weightd.sources")
 
@@ -148,18 +151,6 @@ class _Progress:
             rate_mb_s=rate / 1e6,
             eta_s=eta,
         )
-
-
-def _file_digest(path: str, algorithm: str) -> str:
-    """Hex digest of the file at ``path`` (not followed if a link), read by descriptor."""
-    h = hashlib.new(algorithm, usedforsecurity=algorithm != "md5")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        while chunk := os.read(fd, 8 << 20):
-            h.update(chunk)
-    finally:
-        os.close(fd)
-    return h.hexdigest()
 
 
 class SourceResolver:
@@ -489,8 +480,14 @@ class SourceResolver:
                 resumed_bytes=already,
             )
 
+            plain_md5 = {o.name for o in objects if _PLAIN_MD5.match(o.etag)}
+            hasher = TensorChecker(
+                location, manifest, journal.part_bytes, frozenset() if manifest else plain_md5
+            )
+            hashes: dict[str, FileHashes] = {}
+
             def check_file(obj: RemoteObject, path: str) -> None:
-                self._check_file(location, obj, path, manifest)
+                hashes[obj.name] = self._check_file(location, obj, path, manifest, hasher)
 
             download = Download(
                 self.store,
@@ -502,11 +499,7 @@ class SourceResolver:
                 settings,
                 check_file=check_file,
                 progress=_Progress(name, location.uri, already),
-                on_range=(
-                    TensorChecker(location, manifest, journal.part_bytes)
-                    if manifest is not None
-                    else None
-                ),
+                on_range=hasher,
                 cancel=cancel,
             )
             try:
@@ -519,29 +512,61 @@ class SourceResolver:
                 if self.metrics is not None:
                     self.metrics.bytes.labels(kind).inc(download.fetched)
             final = cache.publish(fp, directory, list(self._keep(cache.path)))
+            self._seed_hash_cache(final, hashes)
         return final, "resumed" if already else "downloaded", cache.path
 
+    def _seed_hash_cache(self, directory: str, hashes: dict[str, FileHashes]) -> None:
+        """Record what the download's one pass hashed, so the local verification that
+        follows reads the digests instead of hashing the same bytes a second time. Keyed
+        as the hash cache keys every shard (path, inode, size, mtime, ctime): a file
+        changed after this is hashed again, as any would be."""
+        cache_dir = self.verify.hash_cache_dir
+        if cache_dir is None or self.verify.reverify:
+            return
+        root = os.path.realpath(directory)
+        entries = {}
+        for name, h in hashes.items():
+            if not name.endswith(".safetensors"):
+                continue
+            path = os.path.join(root, name)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except OSError:
+                continue
+            ranges = tuple(TensorRange(t, off, n) for t, off, n, _ in h.tensors)
+            digests = ShardDigests(st.st_size, h.sha256, {t: d for t, _, _, d in h.tensors})
+            entries[name] = CacheEntry(path, FileIdentity.of(st), ranges, digests)
+        if entries:
+            HashCache(cache_dir, root).update(entries)
+
     def _check_file(
-        self, location: S3Location, obj: RemoteObject, path: str, manifest: Manifest | None
-    ) -> None:
+        self,
+        location: S3Location,
+        obj: RemoteObject,
+        path: str,
+        manifest: Manifest | None,
+        hasher: TensorChecker,
+    ) -> FileHashes:
+        """The file's hashes from the download's one pass, compared with the manifest's
+        SHA-256 (or a plain-MD5 ETag without one) before the file is renamed in."""
         uri = location.object_uri(obj.name)
         size = os.path.getsize(path)
         if size != obj.size:
             raise ObjectTruncated(uri, f"{size} bytes on disk, the object is {obj.size}")
+        got = hasher.finish(obj, path)
         if manifest is not None:
             want = manifest.files[obj.name].sha256
-            got = _file_digest(path, "sha256")
-            if got != want:
+            if got.sha256 != want:
                 raise DigestMismatchError(
                     uri,
-                    f"sha256 is {got}, manifest {manifest.path} says {want}: the bucket does not "
-                    "hold the manifest's bytes; refused before serving (the download stopped here)",
+                    f"sha256 is {got.sha256}, manifest {manifest.path} says {want}: the bucket "
+                    "does not hold the manifest's bytes; refused before serving (the download "
+                    "stopped here)",
                 )
-            return
+            return got
         plain = _PLAIN_MD5.match(obj.etag)
-        if plain is not None:
-            got = _file_digest(path, "md5")
-            if got != plain.group(1):
-                raise DigestMismatchError(
-                    uri, f"MD5 is {got}, the object's ETag says {plain.group(1)}"
-                )
+        if plain is not None and got.md5 != plain.group(1):
+            raise DigestMismatchError(
+                uri, f"MD5 is {got.md5}, the object's ETag says {plain.group(1)}"
+            )
+        return got
