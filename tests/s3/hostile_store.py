@@ -16,6 +16,7 @@ with one of its ``"keys"`` suffixes:
 ``{"huge_page": {"keys": 400000}}``  one listing page of that many made-up keys
 ``{"slow_list": {"every": 1.0}}``   listing pages dripped a byte at a time
 ``{"missing_key": {}}``             a listing entry without ``Key``
+``{"duplicate_key": {}}``           the last listing entry listed twice
 ``{"bad_size": {"value": "12x"}}``  listing ``Size`` (and HEAD length) set to ``value``
 ``{"wrong_size": {"delta": 5}}``    listing and HEAD sizes off by ``delta``
 ``{"bad_range": {"value": "bytes 0-9/abc"}}`` that ``Content-Range`` on every GET
@@ -228,6 +229,8 @@ class Handler(BaseHTTPRequestHandler):
                 f"<ETag>{etag}</ETag><Size>{size}</Size><StorageClass>STANDARD</StorageClass>"
                 "</Contents>"
             )
+        if items and "duplicate_key" in scen:
+            items.append(items[-1])
         items += [
             f"<CommonPrefixes><Prefix>{escape(p)}</Prefix></CommonPrefixes>"
             for p in sorted(prefixes)

@@ -208,6 +208,7 @@ def test_each_hostile_bucket_fails_alone_bounded_and_a_restart_serves_the_right_
         "forged": {"error": {"status": 400, "code": forged, "message_bytes": 4 << 20}},
         # 8: malformed answers
         "missing-key": {"missing_key": {}},
+        "duplicate-key": {"duplicate_key": {}},
         "bad-size": {"bad_size": {"value": "12x", "keys_ending": [".safetensors"]}},
         "negative-size": {"bad_size": {"value": "-5", "keys_ending": [".safetensors"]}},
         "bad-range": {"bad_range": {"value": "bytes 0-9/abc"}},
@@ -224,6 +225,7 @@ def test_each_hostile_bucket_fails_alone_bounded_and_a_restart_serves_the_right_
         "drip-headers": r"model\.safetensors: range \[\d+, \d+\): 0 bytes in [\d.]+ s, below",
         "forged": r"the store answered 400",
         "missing-key": r"listing entry 1 has no Key",
+        "duplicate-key": r"model\.safetensors: listed twice",
         "bad-size": r"could not be read|the store gave Size '12x': not a size",
         "negative-size": r"the store gave Size '-5': not a size",
         "bad-range": r"Content-Range 'bytes 0-9/abc' is not 'bytes FIRST-LAST/SIZE'",

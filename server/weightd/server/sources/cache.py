@@ -27,11 +27,14 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from ..base.atomicio import write_atomic
+from ..base.errors import SourceCancelled
 from .download import part_name
 from .journal import Journal, load_journal
 from .location import S3Location
@@ -42,6 +45,8 @@ from .s3 import RemoteObject
 JOURNAL: Final = ".journal.json"
 PARTIAL: Final = ".partial"
 VERSION_PREFIX: Final = "v-"
+#: Seconds between two tries of a source's lock held by another process.
+_LOCK_POLL_SECONDS: Final = 0.1
 #: Versions kept per source: the newest and the one it replaces.
 KEEP_VERSIONS: Final = 2
 
@@ -83,22 +88,39 @@ class SourceDir:
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, root: str, endpoint: str | None, location: S3Location) -> Iterator[SourceDir]:
+    def open(
+        cls,
+        root: str,
+        endpoint: str | None,
+        location: S3Location,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[SourceDir]:
         _mkdir_private(root)
         path = os.path.join(root, source_id(endpoint, location))
         _mkdir_private(path)
         info = {"endpoint": endpoint, "bucket": location.bucket, "prefix": location.prefix}
         write_atomic(os.path.join(path, "source.json"), json.dumps(info).encode(), mode=0o600)
-        with cls.locked(path) as held:
+        with cls.locked(path, cancel) as held:
             yield held
 
     @classmethod
     @contextlib.contextmanager
-    def locked(cls, path: str) -> Iterator[SourceDir]:
-        """The existing source directory ``path``, under its lock."""
+    def locked(cls, path: str, cancel: threading.Event | None = None) -> Iterator[SourceDir]:
+        """The existing source directory ``path``, under its lock. Another daemon on this
+        host downloading the same source holds it: wait, unless ``cancel`` is set first
+        (a reload's deadline), which ends the wait with ``SourceCancelled``."""
         fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # another daemon on this host downloading it: wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if cancel is not None and cancel.is_set():
+                        raise SourceCancelled(
+                            path, "cancelled while another process held the source's lock"
+                        ) from None
+                    time.sleep(_LOCK_POLL_SECONDS)
             yield cls(path)
         finally:
             os.close(fd)

@@ -458,7 +458,7 @@ class SourceResolver:
         settings = self.options.download
         fp = fingerprint(objects)
         endpoint = self.options.s3.endpoint
-        with SourceDir.open(self.options.cache_dir, endpoint, location) as cache:
+        with SourceDir.open(self.options.cache_dir, endpoint, location, cancel) as cache:
             warm = cache.complete(fp, objects)
             if warm is not None:
                 return warm, "warm", cache.path

@@ -309,6 +309,7 @@ class S3Store:
         found: list[RemoteObject] = []
         skipped = entries = pages = empty = received = 0
         seen: set[str] = set()
+        names: set[str] = set()
         token: str | None = None
         deadline = time.monotonic() + b.list_seconds
         while True:
@@ -359,7 +360,13 @@ class S3Store:
                 obj = listed_object(location, item, entries - n + i + 1)
                 if obj is None:
                     skipped += 1
+                elif obj.name in names:
+                    raise ObjectStoreProtocolError(
+                        location.object_uri(obj.name),
+                        "listed twice: the store's listing is not one object per key; refused",
+                    )
                 else:
+                    names.add(obj.name)
                     found.append(obj)
             if not page.get("IsTruncated"):
                 return found, skipped

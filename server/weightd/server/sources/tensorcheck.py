@@ -38,16 +38,6 @@ def covered(start: int, end: int, part_bytes: int, done_starts: set[int]) -> boo
     return all(i * part_bytes in done_starts for i in range(first, last + 1))
 
 
-def _pread_exact(fd: int, size: int, offset: int) -> bytes:
-    out = bytearray()
-    while len(out) < size:
-        piece = os.pread(fd, min(_READ, size - len(out)), offset + len(out))
-        if not piece:
-            break
-        out += piece
-    return bytes(out)
-
-
 @dataclass
 class FileHashes:
     """What one pass over a downloaded file computed."""
@@ -98,6 +88,7 @@ class TensorChecker:
         self._md5 = md5
         self._files: dict[str, _File] = {}
         self._lock = threading.Lock()
+        self._buf: memoryview | None = None
         #: Tensors whose bytes were compared with the manifest while downloading.
         self.checked = 0
         #: Bytes hashed (each file's bytes once).
@@ -144,17 +135,30 @@ class TensorChecker:
         return f.result
 
     def _feed(self, obj: RemoteObject, f: _File, fd: int, end: int) -> None:
+        if f.cursor >= end:
+            return
+        buf = self._buffer()
         while f.cursor < end:
-            n = min(_READ, end - f.cursor)
-            piece = _pread_exact(fd, n, f.cursor)
-            if len(piece) != n:
-                raise ObjectTruncated(
-                    self.location.object_uri(obj.name),
-                    f"{f.cursor + len(piece)} of {obj.size} bytes could be read back",
-                )
-            self._take(obj, f, piece)
+            n = min(len(buf), end - f.cursor)
+            got = 0
+            while got < n:  # straight into the buffer: no copy before the hashers
+                k = os.preadv(fd, [buf[got:n]], f.cursor + got)
+                if k <= 0:
+                    raise ObjectTruncated(
+                        self.location.object_uri(obj.name),
+                        f"{f.cursor + got} of {obj.size} bytes could be read back",
+                    )
+                got += k
+            self._take(obj, f, buf[:n])
 
-    def _take(self, obj: RemoteObject, f: _File, piece: bytes) -> None:
+    def _buffer(self) -> memoryview:
+        """The read-back buffer (calls come from one checker thread at a time)."""
+        with self._lock:
+            if self._buf is None:
+                self._buf = memoryview(bytearray(_READ))
+            return self._buf
+
+    def _take(self, obj: RemoteObject, f: _File, piece: memoryview) -> None:
         at = f.cursor
         if f.sha256 is not None:
             f.sha256.update(piece)
@@ -183,11 +187,11 @@ class TensorChecker:
             f.pending = [(e.name, start + e.begin, start + e.end) for e in entries]
         self._tensors(uri, f, piece, at)
 
-    def _tensors(self, uri: str, f: _File, piece: bytes, at: int) -> None:
+    def _tensors(self, uri: str, f: _File, piece: memoryview, at: int) -> None:
         """Feed ``piece`` (bytes ``[at, at + len)``) to the tensors it covers, in order,
         finishing (and judging) each whose last byte it holds."""
         end = at + len(piece)
-        view = memoryview(piece)
+        view = piece
         while f.pending:
             name, a, b = f.pending[0]
             if a >= end and a != b:

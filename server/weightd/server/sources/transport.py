@@ -217,7 +217,13 @@ class BoundedBody:
 
     def read(self, amt: int | None = None) -> bytes:
         want = self._budget.max_bytes + 1 if amt is None or amt < 0 else amt
-        out = bytearray()
+        self._budget.check()
+        first = self._raw.read1(min(_READ1, want))
+        self._budget.check()
+        self._budget.count(len(first))
+        if len(first) == want or not first:
+            return bytes(first)
+        out = bytearray(first)
         while len(out) < want:
             self._budget.check()
             piece = self._raw.read1(min(_READ1, want - len(out)))
