@@ -216,23 +216,18 @@ class BoundedBody:
         self._budget = budget
 
     def read(self, amt: int | None = None) -> bytes:
-        want = self._budget.max_bytes + 1 if amt is None or amt < 0 else amt
+        """At most ``amt`` bytes, and what one ``recv`` gave: a short read is a read (the
+        caller asks again), and nothing is copied to gather a full one."""
+        if amt is None or amt < 0:  # everything: gathered, under the same cap
+            out = bytearray()
+            while part := self.read(_READ1):
+                out += part
+            return bytes(out)
         self._budget.check()
-        first = self._raw.read1(min(_READ1, want))
+        piece: bytes = self._raw.read1(min(_READ1, amt))
         self._budget.check()
-        self._budget.count(len(first))
-        if len(first) == want or not first:
-            return bytes(first)
-        out = bytearray(first)
-        while len(out) < want:
-            self._budget.check()
-            piece = self._raw.read1(min(_READ1, want - len(out)))
-            self._budget.check()
-            if not piece:
-                break
-            self._budget.count(len(piece))
-            out += piece
-        return bytes(out)
+        self._budget.count(len(piece))
+        return piece
 
     def readable(self) -> bool:
         return True
