@@ -202,6 +202,7 @@ class SourceDir:
             if e.startswith(VERSION_PREFIX) and not e.endswith(PARTIAL)
         ]
         versions.sort(key=lambda p: os.stat(p).st_mtime_ns, reverse=True)
+        kept = {os.path.realpath(k) for k in keep}
         for old in versions[keep_newest:]:
-            if old not in keep:
+            if os.path.realpath(old) not in kept:
                 shutil.rmtree(old, ignore_errors=True)

@@ -195,16 +195,18 @@ class SourceResolver:
     # --- what serves ---------------------------------------------------------------
 
     def _keep(self, source_dir: str) -> set[str]:
+        """The version directories that serve, of the source cached in ``source_dir``
+        (real paths: a cache directory named through a link is the same directory)."""
         with self._lock:
-            return set(self._serving.get(source_dir, {}).values())
+            return set(self._serving.get(os.path.realpath(source_dir), {}).values())
 
     def _source_of(self, directory: str) -> str | None:
         """The source cache directory ``directory`` is a version of; None when it is not
         one of the cache's (a local model's directory: never touched)."""
         if not self.options.cache_dir:
             return None
-        parent = os.path.dirname(os.path.abspath(directory))
-        root = os.path.abspath(self.options.cache_dir)
+        parent = os.path.dirname(os.path.realpath(directory))
+        root = os.path.realpath(self.options.cache_dir)
         return parent if os.path.dirname(parent) == root else None
 
     def accept(self, owner: str, directory: str) -> None:
@@ -214,13 +216,13 @@ class SourceResolver:
         source_dir = self._source_of(directory)
         if source_dir is not None:
             with self._lock:
-                self._serving.setdefault(source_dir, {})[owner] = os.path.abspath(directory)
+                self._serving.setdefault(source_dir, {})[owner] = os.path.realpath(directory)
 
     def reject(self, directory: str) -> None:
         """``directory`` failed verification (or its reload was abandoned): removed from
         the cache unless something serves it, so nothing unverified is kept."""
         source_dir = self._source_of(directory)
-        if source_dir is not None and os.path.abspath(directory) not in self._keep(source_dir):
+        if source_dir is not None and os.path.realpath(directory) not in self._keep(source_dir):
             with SourceDir.locked(source_dir):
                 shutil.rmtree(directory, ignore_errors=True)
 
