@@ -267,6 +267,10 @@ def test_each_hostile_bucket_fails_alone_bounded_and_a_restart_serves_the_right_
         assert hostile.stats(buckets["same-token"])["list"] == 2
         assert hostile.stats(buckets["huge-page"]).get("bytes", 0) < 64 << 20
         assert hostile.stats(buckets["endless"]).get("bytes", 0) < 64 << 20
+        # The local model served before the dripping ones had even failed (they need
+        # their 2 s grace at least): loads are independent.
+        assert d.seconds_between("verified model=local", "model drip failed to load") > 0
+        assert d.seconds_between("verified model=local", "model slow-list failed") > 0
         # Each hostile model ended within its bound: grace 2 s + one range at the minimum
         # rate (1 s), the listing's 10 s; all of them loaded at once.
         assert d.seconds_between("start pid=", "serving models=local") < 30
@@ -540,6 +544,8 @@ def test_adapters_are_judged_by_their_listed_sizes_before_any_get(
                 admin.load_adapter("b", root + "big-config/", expected_digest=digest)
             assert hostile.stats(bucket).get("get", 0) == 0  # nothing was pulled
             assert not cached_versions(tmp_path)
+        with WeightClient(d.target, timeout=60) as client:  # the model serves throughout
+            assert client.fetch(0, 2, model="tiny-llama")
     extra[-1] = str(size * 2)
     with (
         serve(tmp_path, hostile, [("tiny-llama", str(base))], extra, ready="tiny-llama") as d,
