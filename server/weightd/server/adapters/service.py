@@ -21,6 +21,7 @@ from ..base.errors import (
     AdapterError,
     CheckpointError,
     InvalidRequest,
+    echo,
 )
 from ..checkpoint.description import Checkpoint
 from ..plan.layout import Layout
@@ -165,7 +166,7 @@ class AdapterService:
         not the cache directory."""
         resolver = self.resolver
         if resolver is None:
-            raise InvalidRequest(f"{source!r}: this daemon has no remote sources configured")
+            raise InvalidRequest(f"{echo(source)}: this daemon has no remote sources configured")
         remote_roots = self.remote_roots
         uri = source if source.endswith("/") else source + "/"
 

@@ -352,23 +352,36 @@ class Reloader:
             job.done.set()
 
     def reload_all(self) -> list[ReloadOutcome]:
-        """Reload every published model, each independently (SIGHUP); never raises."""
-        outcomes = []
+        """Reload every published model (and every failed one), each on its own thread
+        (SIGHUP): a model whose store is slow never holds up the others. Never raises;
+        the outcomes are in the models' order."""
         published = {m.name for m in self._registry.models()}
         failed = {n for n in self._registry.names() if self._registry.state(n)[0] == "failed"}
-        for name in sorted(published | (failed & self._sources.keys())):
+        names = sorted(published | (failed & self._sources.keys()))
+        outcomes: dict[str, ReloadOutcome] = {}
+
+        def one(name: str) -> None:
             started = time.monotonic()
             try:
                 result = self.reload(name)
             except Exception as exc:  # logged by reload(); the old version keeps serving
                 if not isinstance(exc, WeightdError):
                     log.exception("reload of model %s failed", name)
-                outcomes.append(ReloadOutcome(name, False, str(exc), time.monotonic() - started))
-                continue
+                outcomes[name] = ReloadOutcome(name, False, str(exc), time.monotonic() - started)
+                return
             ckpt = result.model.checkpoint
             detail = f"{len(ckpt.tensors)} tensors, {ckpt.total_bytes} bytes"
-            outcomes.append(ReloadOutcome(name, True, detail, result.seconds))
-        return outcomes
+            outcomes[name] = ReloadOutcome(name, True, detail, result.seconds)
+
+        threads = [
+            threading.Thread(target=one, args=(n,), name=f"weightd-reload-{i}", daemon=True)
+            for i, n in enumerate(names)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [outcomes[n] for n in names if n in outcomes]
 
 
 class _ReloadJob:
