@@ -559,3 +559,24 @@ def test_adapters_are_judged_by_their_listed_sizes_before_any_get(
             assert str(tmp_path / "cache") not in str(caught.value)
             assert not cached_versions(tmp_path)
             assert admin.load_adapter("c", root + "good/", expected_digest=digest).digest == digest
+
+
+def test_sigterm_while_a_store_drips_stops_at_once(
+    hostile: HostileStore, blob: Path, tmp_path: Path
+) -> None:
+    """A store dripping under the default 30 s grace (so the rate has not ended it yet):
+    SIGTERM during start-up closes its connections and the daemon exits 0 at once."""
+    local = write_blob_model(tmp_path / "local", 1, seed=13)
+    bucket = hostile.bucket()
+    hostile.upload_dir(blob, bucket, "m/")
+    hostile.scenario(bucket, drip={"every": 0.5, "keys_ending": [".safetensors"]})
+    models = [("local", str(local)), ("remote", f"s3://{bucket}/m/")]
+    extra = ["--trust-object-store", "--s3-rate-grace-seconds", "30"]
+    with serve(tmp_path, hostile, models, extra, ready="local") as d:
+        assert d.states()["remote"][0] == "loading"
+        d.process.send_signal(signal.SIGTERM)
+        assert d.process.wait(30) == 0, d.log()
+        log = d.log()
+        assert "exit status=0" in log and "Traceback" not in log
+        assert d.seconds_between("start pid=", "exit status=0") < 20
+        assert not cached_versions(tmp_path)
