@@ -580,3 +580,21 @@ def test_sigterm_while_a_store_drips_stops_at_once(
         assert "exit status=0" in log and "Traceback" not in log
         assert d.seconds_between("start pid=", "exit status=0") < 20
         assert not cached_versions(tmp_path)
+
+
+def test_the_daemons_own_throttle_is_not_taken_for_a_slow_store(
+    hostile: HostileStore, blob: Path, tmp_path: Path
+) -> None:
+    """--s3-max-bytes-per-second far below --s3-min-bytes-per-second across concurrent
+    GETs: the waits are the daemon's own, never counted against the store."""
+    bucket = hostile.bucket()
+    hostile.upload_dir(blob, bucket, "m/")
+    extra = ["--trust-object-store", "--s3-max-bytes-per-second", str(384 << 10)]
+    with (
+        serve(tmp_path, hostile, [("remote", f"s3://{bucket}/m/")], extra, ready="remote") as d,
+        WeightClient(d.target, timeout=60) as client,
+    ):
+        same(client.fetch(0, 1), load_file(str(blob / "model.safetensors")))
+        # 1 MiB at 384 KiB/s in 256 KiB ranges, 8 at once: each GET far below the
+        # 256 KiB/s minimum by the clock, and past its 2 s grace.
+        assert d.seconds_between("download phase=start", "download phase=done") > 2

@@ -65,18 +65,23 @@ class Throttle:
         self._lock = threading.Lock()
         self._next = time.monotonic()
 
-    def take(self, n: int) -> float:
-        """Wait until ``n`` more bytes are within the rate; returns the seconds waited."""
+    def reserve(self, n: int) -> float:
+        """The seconds to wait before ``n`` more bytes are within the rate (the caller
+        waits them; they are booked now)."""
         if not self.rate:
             return 0.0
         with self._lock:
             now = time.monotonic()
             start = max(self._next, now)
             self._next = start + n / self.rate
-            delay = start - now
+            return max(start - now, 0.0)
+
+    def take(self, n: int) -> float:
+        """Wait until ``n`` more bytes are within the rate; returns the seconds waited."""
+        delay = self.reserve(n)
         if delay > 0:
             time.sleep(delay)
-        return max(delay, 0.0)
+        return delay
 
 
 class _Stopped(Exception):
@@ -152,7 +157,7 @@ class Download:
             start,
             end,
             s.read_chunk,
-            pace=self.throttle.take,
+            pace=self.throttle.reserve,
             cancel=self.cancel,
         )
         for piece in pieces:

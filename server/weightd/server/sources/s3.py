@@ -433,8 +433,8 @@ class S3Store:
         without one only for the whole object) and the version id when one is pinned.
         An answer that cannot prove which version it came from is refused, so a store
         that ignores ``If-Match`` cannot slip another version's bytes into the file.
-        ``pace(n)`` is the daemon's own throttle: the seconds it waits are not counted
-        against the store's minimum rate.
+        ``pace(n)`` is the daemon's own throttle: the seconds to wait before ``n`` more
+        bytes, booked as not the store's time before they are waited.
         """
         uri = location.object_uri(obj.name)
         kwargs: dict[str, Any] = {
@@ -473,7 +473,12 @@ class S3Store:
                         budget.check()
                         return
                     if pace is not None:
-                        budget.pause(pace(len(piece)))
+                        # Booked before the wait: the watchdog must not take the
+                        # daemon's own throttle for a slow store.
+                        delay = pace(len(piece))
+                        budget.pause(delay)
+                        if delay > 0:
+                            time.sleep(delay)
                     yield piece
             finally:
                 body.close()
