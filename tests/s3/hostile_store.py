@@ -26,6 +26,7 @@ with one of its ``"keys"`` suffixes:
 ``{"mix": {"other": "k2"}}``        GETs past the first answered from the object ``other``
 ``{"error": {"status": 500, "code": "...", "message_bytes": 4194304}}``
                                     every request answered with that error document
+``{"flaky": {"failures": 1}}``      the bucket's first requests answered 503 SlowDown
 ``{"count_only": {}}``              nothing odd: requests are counted, as always
 
 ``GET /_hostile/stats?bucket=B`` returns the requests seen per kind (list, head, get)
@@ -134,6 +135,16 @@ class Handler(BaseHTTPRequestHandler):
         ).encode()
         self._xml(status, body)
 
+    def _flaky(self, bucket: str, cfg: dict[str, Any]) -> bool:
+        """Answer 503 SlowDown to the first ``failures`` requests of the bucket."""
+        with STATS_LOCK:
+            seen = STATS.setdefault(bucket, Counter())["flaky"]
+            if seen >= int(cfg.get("failures", 1)):
+                return False
+            STATS[bucket]["flaky"] += 1
+        self._error(bucket, {"status": 503, "code": "SlowDown"})
+        return True
+
     def _file(self, bucket: str, key: str) -> Path | None:
         p = PLACE["root"] / bucket / key
         if not key or ".." in key.split("/") or not p.is_file():
@@ -152,6 +163,8 @@ class Handler(BaseHTTPRequestHandler):
         if "error" in scen:
             _count(bucket, "error")
             self._error(bucket, scen["error"])
+            return
+        if "flaky" in scen and self._flaky(bucket, scen["flaky"]):
             return
         if not key:
             self._list(bucket, query, scen)

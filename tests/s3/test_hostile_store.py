@@ -277,6 +277,11 @@ def test_each_hostile_bucket_fails_alone_bounded_and_a_restart_serves_the_right_
         text = scrape(_metrics_url(d.log()))
         assert metric(text, "weightd_model_state", {"model": "drip", "state": "failed"}) == 1
         assert metric(text, "weightd_model_state", {"model": "local", "state": "ready"}) == 1
+        failures = "weightd_source_failures_total"
+        assert metric(text, failures, {"reason": "too_slow"}) == 3  # drips, slow listing
+        assert metric(text, failures, {"reason": "short_object"}) == 2  # endless bodies
+        assert metric(text, failures, {"reason": "protocol"}) == 8  # malformed, unbounded
+        assert metric(text, failures, {"reason": "store_error"}) == 1  # the forged code
         # Nothing the hostile buckets sent is cached as a version.
         assert not cached_versions(tmp_path)
     # A restart on the store behaving again serves every model, bit for bit.
@@ -598,3 +603,27 @@ def test_the_daemons_own_throttle_is_not_taken_for_a_slow_store(
         # 1 MiB at 384 KiB/s in 256 KiB ranges, 8 at once: each GET far below the
         # 256 KiB/s minimum by the clock, and past its 2 s grace.
         assert d.seconds_between("download phase=start", "download phase=done") > 2
+
+
+def test_a_retried_listing_is_read_under_the_same_bounds(
+    hostile: HostileStore, blob: Path, tmp_path: Path
+) -> None:
+    """The store's first answer is 503 SlowDown: the SDK retries the same request, which
+    is read under the same bounds as the first (a listing stays a bounded page)."""
+    bucket = hostile.bucket()
+    hostile.upload_dir(blob, bucket, "m/")
+    hostile.scenario(bucket, flaky={"failures": 1})
+    with (
+        serve(
+            tmp_path,
+            hostile,
+            [("remote", f"s3://{bucket}/m/")],
+            ["--trust-object-store"],
+            ready="remote",
+        ) as d,
+        WeightClient(d.target, timeout=60) as client,
+    ):
+        same(client.fetch(0, 1), load_file(str(blob / "model.safetensors")))
+        text = scrape(_metrics_url(d.log()))
+        assert metric(text, "weightd_source_retries_total") == 1
+        assert hostile.stats(bucket)["list"] == 1  # the 503 was answered before counting

@@ -19,6 +19,7 @@ The order is the trust argument:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -28,7 +29,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, TextIO
 
@@ -192,6 +193,24 @@ class SourceResolver:
         if store is not None:
             store.close()
 
+    @contextlib.contextmanager
+    def _accounted(self) -> Iterator[None]:
+        """Every failure of a remote source counted by reason, whatever step failed (the
+        listing, the manifest, a GET, a check), and the SDK's retries."""
+        try:
+            yield
+        except Exception as exc:
+            if self.metrics is not None:
+                self.metrics.failures.labels(source_failure_reason(exc)).inc()
+            raise
+        finally:
+            with self._lock:
+                store = self._store
+                total = store.retries.total if store is not None else self._retries_seen
+                delta, self._retries_seen = total - self._retries_seen, total
+            if self.metrics is not None and delta > 0:
+                self.metrics.retries.inc(delta)
+
     # --- what serves ---------------------------------------------------------------
 
     def _keep(self, source_dir: str) -> set[str]:
@@ -241,6 +260,10 @@ class SourceResolver:
         """
         if not self.needs_resolving(name, source):
             return Resolved(source, None, 0)
+        with self._accounted():
+            return self._resolve_model(name, source, cancel)
+
+    def _resolve_model(self, name: str, source: str, cancel: threading.Event | None) -> Resolved:
         found = self._manifest(name, source, cancel)
         manifest = found.manifest if found is not None else None
         options = self.verify
@@ -378,6 +401,16 @@ class SourceResolver:
         ``--trust-object-store`` (the digest is its trust root). ``admit(objects)`` judges
         the sizes the store gives against every limit and budget before the first GET:
         what it refuses is never downloaded."""
+        with self._accounted():
+            return self._resolve_adapter(source, roots, expected_digest, admit)
+
+    def _resolve_adapter(
+        self,
+        source: str,
+        roots: Sequence[S3Location],
+        expected_digest: str | None,
+        admit: Callable[[Sequence[RemoteObject]], None] | None,
+    ) -> Resolved:
         location = adapter_location(source, tuple(roots))
         if expected_digest is None and not self.options.trust_object_store:
             raise RemoteTrustError(
@@ -407,16 +440,12 @@ class SourceResolver:
         if not self.options.cache_dir:
             raise UsageError(f"{location.uri}: remote sources need a cache directory (--cache-dir)")
         started = time.monotonic()
-        store = self.store
-        retries_before = store.retries.total
         fetched = [0]  # what this download received, failed or not (set by _download)
         try:
             directory, outcome, source_dir = self._download(
                 name, kind, location, objects, manifest, fetched, cancel
             )
         except BaseException as exc:
-            if self.metrics is not None and isinstance(exc, Exception):
-                self.metrics.failures.labels(source_failure_reason(exc)).inc()
             logs.event(
                 "download",
                 logging.WARNING,
@@ -427,9 +456,6 @@ class SourceResolver:
                 error=echo(str(exc)) if not isinstance(exc, WeightdError) else str(exc),
             )
             raise
-        finally:
-            if self.metrics is not None:
-                self.metrics.retries.inc(store.retries.total - retries_before)
         seconds = time.monotonic() - started
         if self.metrics is not None:
             self.metrics.seconds.labels(kind).observe(seconds)

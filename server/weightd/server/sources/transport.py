@@ -238,6 +238,11 @@ class BoundedBody:
     def release_conn(self) -> None:
         self._raw.release_conn()
 
+    def stream(self, amt: int = _READ1, decode_content: bool | None = None) -> Iterator[bytes]:
+        """The body in pieces, under the same bounds (never the raw, unbounded stream)."""
+        while piece := self.read(amt):
+            yield piece
+
     def __getattr__(self, name: str) -> Any:  # headers, status, ... of the raw response
         return getattr(self._raw, name)
 
@@ -331,6 +336,8 @@ class BoundedTransport:
         except Exception:
             budget.check()  # the watchdog closed it: say why, and do not retry
             raise
+        finally:
+            request.stream_output = streamed  # a retry sends the same request again
         if streamed and response.status_code < 300:
             response.raw = BoundedBody(response.raw, budget)
             return response
