@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -474,7 +475,14 @@ def test_answers_that_cannot_prove_their_version_are_refused(
         assert "carries no ETag: it cannot prove which version of the object it came from" in reason
         assert f"s3://{bucket}/m/" in reason
         assert not cached_versions(tmp_path)
-    hostile.scenario(bucket, multipart_etag={})
+        # A failed model comes back with a reload once its store behaves.
+        hostile.scenario(bucket, multipart_etag={})
+        with d.admin() as admin:
+            admin.reload("remote")
+        with WeightClient(d.target, timeout=60) as client:
+            same(client.fetch(0, 1, model="remote"), load_file(str(blob / "model.safetensors")))
+        assert d.states()["remote"][0] == "ready"
+    shutil.rmtree(tmp_path / "cache")  # the restart downloads again
     with (
         serve(tmp_path, hostile, models, ["--trust-object-store"], ready="remote") as d,
         WeightClient(d.target, timeout=60) as client,
