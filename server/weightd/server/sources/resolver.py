@@ -72,9 +72,6 @@ _PLAIN_MD5: Final = re.compile(r'^"?([0-9a-f]{32})"?$')
 #: Largest ``.json`` downloaded without a manifest pinning its size (an index of a
 #: very large model is a few MiB; the local reader caps what it parses anyway).
 MAX_JSON_BYTES: Final = 64 << 20
-#: Version directories remembered per source as possibly serving (the current one, the
-#: one before it, and versions whose verification is still deciding).
-MAX_HANDED: Final = 4  # (unused since versions are handed out once verified; kept for importers)
 #: Seconds between two progress lines.
 PROGRESS_INTERVAL_S: Final = 5.0
 

@@ -52,8 +52,6 @@ from .bounds import (
 from .location import S3Location, object_file_name
 from .transport import BoundedTransport
 
-#: Kept for callers that name it: the most entries one listing may hold.
-MAX_OBJECTS: Final = MAX_LIST_KEYS
 #: Longest ETag, version id or continuation token accepted from the store (S3's are
 #: tens to a few hundred characters); each must be printable ASCII.
 MAX_TOKEN_CHARS: Final = 1024
