@@ -12,14 +12,22 @@ downloaded) is uploaded once, with its manifest. Each round, in turn:
   the same endpoint into CPU tensors (each cloned, as its buffers are reused), timed
   in a fresh process from exec to the last tensor; it verifies nothing and serves no
   one else: one process's copy;
-* ``single-stream``: boto3 ``get_object`` of each file in turn, one stream, written to
-  a fresh directory (what a plain ``aws s3 cp`` of the files does, minus its threads).
+* ``single``: boto3 ``get_object`` of each file in turn, one stream, written to
+  a fresh directory (what a plain ``aws s3 cp`` of the files does, minus its threads);
+* ``single-checked``: the same stream computing, inline, what weightd checks of every
+  byte on its way in (each file's SHA-256 and every tensor's BLAKE3): the floor for a
+  download that checks what it receives, on this host.
+
+Each peer's CPU seconds (its process, or this one for the in-process streams) and the
+store's (the ``weed`` process) are recorded beside the time: on a small host the store
+and the client share the cores, and the CPU shows which of them bounds a peer.
 
 Bytes fetched are what each one received from the store (weightd: its own counter;
 the others: the objects' sizes, which they read whole). Usage:
 ``python bench/s3_load.py [--dir /tmp/weightd-bench-s3] [--repeat 3] [--layers 10]``.
-Results go to stdout and bench/results/s3_load.json. Needs the ``[s3]`` extra and, for
-the streamer, ``pip install 'weightd[bench]'`` (``--skip-runai`` runs without it).
+Results go to stdout and bench/results/s3_load.json, with the load averages per round.
+Needs the ``[s3]`` extra and, for the streamer, ``pip install 'weightd[bench]'``
+(``--skip-runai`` runs without it).
 """
 
 from __future__ import annotations
@@ -85,9 +93,9 @@ def _metric(url: str, name: str) -> float:
     return 0.0
 
 
-def run_weightd(endpoint: str, work: Path, extra: list[str]) -> tuple[float, int]:
-    from tests.conftest import listening_address
-    from tests.health import wait_serving
+def run_weightd(endpoint: str, work: Path, extra: list[str], trust_key: Path) -> tuple[float, int]:
+    # tests.health, not tests.conftest: no pytest needed to run the benchmark.
+    from tests.health import listening_address, wait_serving
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -104,6 +112,8 @@ def run_weightd(endpoint: str, work: Path, extra: list[str]) -> tuple[float, int
         f"b=s3://{BUCKET}/{PREFIX}",
         "--manifest",
         f"b=s3://{BUCKET}/manifest.json",
+        "--trust-key",  # an s3:// manifest is a trust root only when signed
+        str(trust_key),
         "--s3-endpoint",
         endpoint,
         "--cache-dir",
@@ -129,9 +139,12 @@ def run_weightd(endpoint: str, work: Path, extra: list[str]) -> tuple[float, int
         text = log.read_text()
         download = re.search(r"download phase=done source=b .*? seconds=([0-9.]+)", text)
         verify = re.search(r"verified model=b .*? seconds=([0-9.]+)", text)
+        hashed = re.search(r"hashed b: .*", text)
+        print(f"  weightd timeline (s after its start event): {_timeline(text)}", flush=True)
         print(
             f"  weightd: download {download.group(1) if download else '?'} s, "
-            f"verify {verify.group(1) if verify else '?'} s",
+            f"verify {verify.group(1) if verify else '?'} s, "
+            f"local pass: {hashed.group(0) if hashed else 'none (digests from the download)'}",
             flush=True,
         )
     finally:
@@ -139,6 +152,28 @@ def run_weightd(endpoint: str, work: Path, extra: list[str]) -> tuple[float, int
         proc.wait(60)
         shutil.rmtree(work / "cache", ignore_errors=True)
     return seconds, fetched
+
+
+def _timeline(log: str) -> dict[str, float]:
+    """Seconds from the daemon's ``start`` event to each later milestone (its own clock)."""
+    import datetime
+
+    marks = {
+        "listening": "listening listener=worker",
+        "download_start": "download phase=start",
+        "download_done": "download phase=done",
+        "verified": "verified model=b",
+        "serving": "serving models=",
+    }
+    when: dict[str, datetime.datetime] = {}
+    for line in log.splitlines():
+        stamp = line[:23]
+        for name, text in [("start", "start pid="), *marks.items()]:
+            if name not in when and text in line:
+                when[name] = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f")
+    if "start" not in when:
+        return {}
+    return {k: round((v - when["start"]).total_seconds(), 3) for k, v in when.items()}
 
 
 def run_runai(endpoint: str, keys: list[str]) -> tuple[float, int]:
@@ -158,7 +193,58 @@ def run_runai(endpoint: str, keys: list[str]) -> tuple[float, int]:
     return seconds, int(done.stdout.split()[-1])
 
 
-def run_single(endpoint: str, keys: list[str], work: Path) -> tuple[float, int]:
+class _Checks:
+    """What weightd computes of each file on its way in, done inline on one stream: the
+    file's SHA-256 and every tensor's BLAKE3 (the floor for a checked download)."""
+
+    def __init__(self, name: str) -> None:
+        import hashlib
+
+        self.sha = hashlib.sha256()
+        self.safetensors = name.endswith(".safetensors")
+        self.pos = 0
+        self.head = bytearray()
+        self.tensors: list[tuple[int, int]] | None = None
+        self.current: Any = None
+        self.digests: list[str] = []
+
+    def update(self, chunk: bytes) -> None:
+        import blake3
+
+        at, self.pos = self.pos, self.pos + len(chunk)
+        self.sha.update(chunk)
+        if not self.safetensors:
+            return
+        if self.tensors is None:
+            self.head += chunk
+            if len(self.head) < 8:
+                return
+            n = int.from_bytes(self.head[:8], "little")
+            if len(self.head) < 8 + n:
+                return
+            header = json.loads(bytes(self.head[8 : 8 + n]))
+            spans = [v["data_offsets"] for k, v in header.items() if k != "__metadata__"]
+            self.tensors = sorted((8 + n + a, 8 + n + b) for a, b in spans)
+            self.head = bytearray()
+        view = memoryview(chunk)
+        while self.tensors:
+            a, b = self.tensors[0]
+            if a >= self.pos:
+                return
+            self.current = self.current or blake3.blake3()
+            lo, hi = max(a, at), min(b, self.pos)
+            if lo < hi:
+                self.current.update(view[lo - at : hi - at])
+            if b > self.pos:
+                return
+            self.digests.append(self.current.hexdigest())
+            self.current = None
+            self.tensors.pop(0)
+
+
+def run_single(
+    endpoint: str, keys: list[str], work: Path, checked: bool = False
+) -> tuple[float, int]:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     client = s3_client(endpoint, ACCESS, SECRET)
@@ -166,15 +252,50 @@ def run_single(endpoint: str, keys: list[str], work: Path) -> tuple[float, int]:
     total = 0
     for key in keys:
         body = client.get_object(Bucket=BUCKET, Key=key)["Body"]
+        checks = _Checks(key) if checked else None
         with open(work / os.path.basename(key), "wb") as f:
             while chunk := body.read(8 << 20):
                 f.write(chunk)
+                if checks is not None:
+                    checks.update(chunk)
                 total += len(chunk)
             f.flush()
             os.fsync(f.fileno())
     seconds = time.monotonic() - start
     shutil.rmtree(work, ignore_errors=True)
     return seconds, total
+
+
+def _rusage(children: bool) -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_of(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by these processes."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _store_pids(marker: str) -> list[int]:
+    """The store's processes (their command line names its data directory)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
 
 
 def main() -> None:
@@ -193,22 +314,15 @@ def main() -> None:
     files = sorted(
         f for f in ckpt.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors")
     )
-    manifest = top / f"manifest-{args.layers}.json"
+    manifest = top / f"manifest-{args.layers}.signed.json"
+    key = top / "bench.key"
+    cli = [sys.executable, "-m", "weightd.server.cli.main", "manifest"]
+    if not key.exists():
+        keygen = ["keygen", "--out-private", str(key), "--out-public", f"{key}.pub"]
+        subprocess.run([*cli, *keygen], check=True, env=_env(""))
     if not manifest.exists():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "weightd.server.cli.main",
-                "manifest",
-                "create",
-                str(ckpt),
-                "-o",
-                str(manifest),
-            ],
-            check=True,
-            env=_env(""),
-        )
+        create = ["create", str(ckpt), "-o", str(manifest), "--sign-key", str(key)]
+        subprocess.run([*cli, *create], check=True, env=_env(""))
     listed = json.loads(manifest.read_text())["files"]
     files = [f for f in files if f.name in listed]
     size = sum(f.stat().st_size for f in files)
@@ -224,36 +338,55 @@ def main() -> None:
         client.upload_file(str(manifest), BUCKET, "manifest.json")
         keys = [PREFIX + f.name for f in files]
         work = Path(scratch) / "work"
+        store = _store_pids(scratch)
+        peers = ["weightd", "runai", "single", "single-checked"]
         for i in range(args.repeat):
             rnd: dict[str, Any] = {}
-            order = ["weightd", "runai", "single"] if i % 2 == 0 else ["single", "runai", "weightd"]
-            for who in order:
+            for who in peers if i % 2 == 0 else peers[::-1]:
+                if who == "runai" and args.skip_runai:
+                    continue
+                store0, child0, self0 = _cpu_of(store), _rusage(True), _rusage(False)
                 if who == "weightd":
-                    rnd[who] = run_weightd(endpoint, work, args.weightd_args.split())
-                elif who == "runai" and not args.skip_runai:
+                    rnd[who] = run_weightd(
+                        endpoint, work, args.weightd_args.split(), Path(f"{key}.pub")
+                    )
+                elif who == "runai":
                     rnd[who] = run_runai(endpoint, keys)
-                elif who == "single":
-                    rnd[who] = run_single(endpoint, keys, work)
-                print(f"round {i} {who}: {rnd.get(who)}", flush=True)
+                else:
+                    rnd[who] = run_single(endpoint, keys, work, who == "single-checked")
+                rnd[f"{who}_cpu"] = {
+                    "client_s": _rusage(True) - child0 + _rusage(False) - self0,
+                    "store_s": _cpu_of(store) - store0,
+                }
+                print(f"round {i} {who}: {rnd[who]} cpu {rnd[f'{who}_cpu']}", flush=True)
+            rnd["loadavg"] = os.getloadavg()
+            print(f"round {i} load averages: {rnd['loadavg']}", flush=True)
             results["rounds"].append(rnd)
-    summary = {}
-    for who in ("weightd", "runai", "single"):
+    summary: dict[str, Any] = {}
+    for who in ("weightd", "runai", "single", "single-checked"):
         times = [r[who][0] for r in results["rounds"] if who in r]
         if times:
+            cpu = [r[f"{who}_cpu"] for r in results["rounds"] if who in r]
             summary[who] = {
                 "median_s": statistics.median(times),
                 "min_s": min(times),
                 "max_s": max(times),
                 "bytes": results["rounds"][-1][who][1],
                 "gb_per_s": size / statistics.median(times) / 1e9,
+                "client_cpu_s": statistics.median(c["client_s"] for c in cpu),
+                "store_cpu_s": statistics.median(c["store_s"] for c in cpu),
             }
     results["summary"] = summary
     if "weightd" in summary:
-        for who in ("runai", "single"):
+        for who in ("runai", "single", "single-checked"):
             if who in summary:
                 summary[f"{who}_over_weightd"] = (
                     summary[who]["median_s"] / summary["weightd"]["median_s"]
                 )
+                summary[f"weightd_over_{who}"] = (
+                    summary["weightd"]["median_s"] / summary[who]["median_s"]
+                )
+    summary["loadavg_end"] = os.getloadavg()
     print(json.dumps(summary, indent=2))
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -17,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.health import wait_serving
+from tests.health import listening_address, wait_serving
 
 
 @dataclass
@@ -34,21 +32,6 @@ class RunningDaemon:
         found = listening_address(self.log(), listener)
         assert found is not None, f"no {listener} listener in the log:\n{self.log()}"
         return found
-
-
-def listening_address(log: str, listener: str) -> str | None:
-    """The address of ``listener`` from the daemon's ``listening`` lifecycle event
-    (text lines, or JSON lines with ``--log-json``)."""
-    for line in log.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            if record.get("event") == "listening" and record.get("listener") == listener:
-                return str(record["address"])
-            continue
-        m = re.search(rf"listening listener={listener} address=(\S+)", line)
-        if m:
-            return m.group(1)
-    return None
 
 
 def weightd_command(*args: str) -> list[str]:

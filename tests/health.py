@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -21,8 +23,10 @@ def wait_serving(
     timeout: float = 120,
     credentials: grpc.ChannelCredentials | None = None,
     poll: float = 0.1,
+    service: str = "",
 ) -> None:
-    """Poll grpc.health.v1 until the overall status is SERVING (or the daemon dies)."""
+    """Poll grpc.health.v1 until ``service``'s status (default: the overall one) is
+    SERVING, or the daemon dies."""
     deadline = time.monotonic() + timeout
     channel = (
         grpc.insecure_channel(target)
@@ -37,10 +41,25 @@ def wait_serving(
                     f"daemon exited with {process.returncode}:\n{log_path.read_text()}"
                 )
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
             time.sleep(poll)
     raise RuntimeError(f"daemon not SERVING after {timeout}s:\n{log_path.read_text()}")
+
+
+def listening_address(log: str, listener: str) -> str | None:
+    """The address of ``listener`` from the daemon's ``listening`` lifecycle event
+    (text lines, or JSON lines with ``--log-json``)."""
+    for line in log.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if record.get("event") == "listening" and record.get("listener") == listener:
+                return str(record["address"])
+            continue
+        m = re.search(rf"listening listener={listener} address=(\S+)", line)
+        if m:
+            return m.group(1)
+    return None

@@ -125,13 +125,30 @@ def _write_dictionary(path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def run_atheris(target: str, runs: int, seconds: int, seed: int, artifacts: Path) -> None:
-    """Fuzz ``target`` in this process with libFuzzer; never returns (libFuzzer exits)."""
+def run_atheris(target: str, runs: int, seconds: int, seed: int, artifacts: Path) -> int:
+    """Fuzz ``target`` with libFuzzer in a forked child, whose work directory (corpus,
+    dictionary) this process removes once the child is done: libFuzzer ends its process
+    with ``exit()``, past any ``finally`` or ``atexit`` of Python's. Returns its status."""
+    with tempfile.TemporaryDirectory(prefix=f"weightd-fuzz-{target}-") as work:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: libFuzzer runs here and exits
+            try:
+                _fuzz_in_this_process(target, runs, seconds, seed, artifacts, Path(work))
+            finally:
+                os._exit(70)  # only if libFuzzer returned, which it does not
+        _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _fuzz_in_this_process(
+    target: str, runs: int, seconds: int, seed: int, artifacts: Path, work: Path
+) -> None:
     import atheris
 
     targets = _load_targets(instrument=True)
     fn: Callable[[bytes], None] = targets.TARGETS[target]  # type: ignore[attr-defined]
-    work = Path(tempfile.mkdtemp(prefix=f"weightd-fuzz-{target}-"))
     corpus = work / "corpus"
     shutil.copytree(targets.SEEDS / target, corpus)  # type: ignore[attr-defined]
     longest = max(p.stat().st_size for p in corpus.iterdir())
@@ -204,6 +221,12 @@ def run_builtin(target: str, runs: int, seconds: int, seed: int, artifacts: Path
 
 def make_seeds(out: Path) -> None:
     """Write the seed corpus from real tools: transformers, PEFT, weightd itself."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="weightd-seeds-") as scratch:
+        _write_seeds(out, Path(scratch))
+
+
+def _write_seeds(out: Path, work: Path) -> None:
     import peft
     import torch
     import transformers
@@ -211,8 +234,6 @@ def make_seeds(out: Path) -> None:
 
     from weightd.server.cli.main import main as weightd
 
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="weightd-seeds-"))
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=16,
@@ -260,7 +281,6 @@ def make_seeds(out: Path) -> None:
         adapted = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
         adapted.save_pretrained(work / name)
         shutil.copy(work / name / "adapter_config.json", out / "adapter_config" / f"{name}.json")
-    shutil.rmtree(work)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -294,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if engine == "auto":
         engine = "atheris" if _have_atheris() else "builtin"
     if engine == "atheris":
-        run_atheris(args.target, args.runs, args.seconds, args.seed, args.artifacts)
+        return run_atheris(args.target, args.runs, args.seconds, args.seed, args.artifacts)
     return run_builtin(args.target, args.runs, args.seconds, args.seed, args.artifacts)
 
 

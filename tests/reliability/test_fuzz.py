@@ -11,6 +11,7 @@ structurally; this harness mutates bytes, guided by the parsers' coverage.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -27,15 +28,19 @@ RUNS = 3000
 @pytest.mark.parametrize("target", fuzz.NAMES)
 def test_bounded_fuzz_run_finds_no_crasher(target: str, tmp_path: Path) -> None:
     artifacts = tmp_path / "artifacts"
+    scratch = tmp_path / "tmp"  # the run's temporary directory: left empty afterwards
+    scratch.mkdir()
     command = [sys.executable, "-m", "tests.reliability.fuzz", target, f"--runs={RUNS}"]
     done = subprocess.run(
         [*command, f"--artifacts={artifacts}", "--seed=7"],
         capture_output=True,
         text=True,
         timeout=300,
+        env=dict(os.environ, TMPDIR=str(scratch)),
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
+    assert not list(scratch.iterdir()), "the fuzz run left its work directory behind"
     assert not artifacts.exists() or not any(artifacts.iterdir()), out[-4000:]
     executed = re.search(r"number_of_executed_units: (\d+)|#(\d+) DONE builtin", out)
     assert executed is not None, out[-2000:]

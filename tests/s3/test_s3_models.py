@@ -22,6 +22,7 @@ from tests.s3.conftest import (
     SECRET_KEY,
     WRONG_SECRET,
     SeaweedS3,
+    make_key,
     make_manifest,
     metric,
     scrape,
@@ -73,7 +74,9 @@ def test_model_from_store_is_bit_identical_and_a_warm_restart_downloads_nothing(
     local = transformers_models["llama-gqa"]
     bucket = seaweed.bucket()
     seaweed.upload_dir(local, bucket, "llama/")
-    manifest = make_manifest(local, tmp_path / "manifest.json")
+    # An s3:// manifest is a trust root only when signed by a --trust-key.
+    private, public = make_key(tmp_path)
+    manifest = make_manifest(local, tmp_path / "manifest.json", private)
     key = "manifests/llama.json"
     seaweed.client().put_object(Bucket=bucket, Key=key, Body=manifest.read_bytes())
     _env(monkeypatch, seaweed)
@@ -85,6 +88,8 @@ def test_model_from_store_is_bit_identical_and_a_warm_restart_downloads_nothing(
         seaweed.endpoint,
         "--manifest",
         f"remote=s3://{bucket}/{key}",
+        "--trust-key",
+        str(public),
         "--metrics-listen",
         "127.0.0.1:0",
         "--s3-part-bytes",
@@ -103,6 +108,10 @@ def test_model_from_store_is_bit_identical_and_a_warm_restart_downloads_nothing(
         log = d.log()
         assert "download phase=done source=remote" in log and "outcome=downloaded" in log
         assert SECRET_KEY not in log
+        # Each byte was hashed once, on its way in: the local verification found every
+        # shard's digests from the download, and hashed none of them again.
+        assert "remote: all 11 shards unchanged since hashed (hash cache)" in log, log
+        assert "hashed remote" not in log
     with run_daemon(tmp_path, models, extra) as d:
         with WeightClient(d.target, timeout=60) as client:
             _same(client.fetch(1, 2, model="local"), client.fetch(1, 2, model="remote"))
@@ -112,7 +121,7 @@ def test_model_from_store_is_bit_identical_and_a_warm_restart_downloads_nothing(
 
 
 def _journal_bytes(cache: Path) -> int:
-    for journal in cache.glob("sources/*/v-*.partial/journal.json"):
+    for journal in cache.glob("sources/*/v-*.partial/.journal.json"):
         with_done = json.loads(journal.read_text())["done"]
         return sum(b - a for ranges in with_done.values() for a, b in ranges)
     return 0

@@ -11,6 +11,7 @@ a value of the wrong type is refused: a typo must not silently turn a setting of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -51,6 +52,32 @@ def _string(extra: Mapping[str, Any], key: str) -> str | None:
     return value
 
 
+#: Longest ``timeout`` accepted: a day. Past it a "timeout" is no bound at all (and
+#: gRPC turns huge deadlines into overflow errors).
+MAX_TIMEOUT_SECONDS = 86400.0
+
+
+def _seconds(extra: Mapping[str, Any], key: str) -> float | None:
+    """A number of seconds: finite, positive, at most a day. ``NaN`` and ``Infinity`` (which
+    Python's JSON reads) are refused: with either, every call would fail at once with
+    DEADLINE_EXCEEDED (NaN compares false with everything, so a ``<= 0`` check passes it).
+    Every float option of the loader is read through here."""
+    value = extra.get(key)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_TIMEOUT_SECONDS
+    ):
+        raise WeightdLoadError(
+            f"model_loader_extra_config[{key!r}] must be a positive, finite number of seconds "
+            f"(at most {MAX_TIMEOUT_SECONDS:g}), got {value!r}"
+        )
+    return float(value)
+
+
 def _choice(extra: Mapping[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
     value = _string(extra, key) or default
     if value not in allowed:
@@ -69,13 +96,7 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
             f"model_loader_extra_config has unknown key(s) {unknown} for load_format "
             f"'weightd'; known keys: {list(_KEYS)}"
         )
-    timeout = extra.get("timeout")
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-    ):
-        raise WeightdLoadError(
-            f"model_loader_extra_config['timeout'] must be a positive number, got {timeout!r}"
-        )
+    timeout = _seconds(extra, "timeout")
     target = _string(extra, "target") or default_target()
     try:
         parse_address(target)  # the one address rule, as WeightClient applies it
@@ -88,5 +109,5 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
         transport=cast(
             LoaderTransport, _choice(extra, "transport", ("auto", "grpc", "shm"), "auto")
         ),
-        timeout=None if timeout is None else float(timeout),
+        timeout=timeout,
     )

@@ -133,6 +133,9 @@ def test_fingerprints_pin_every_object_field() -> None:
         (errors.ObjectNotFound("s3://m/x", "gone"), "not_found"),
         (errors.ObjectAccessDenied("s3://m/x", "no"), "access_denied"),
         (errors.ObjectStoreUnreachable("s3://m/x", "down"), "unreachable"),
+        (errors.ObjectStoreTooSlow("s3://m/x", "drip"), "too_slow"),
+        (errors.ObjectStoreProtocolError("s3://m/", "no Key"), "protocol"),
+        (errors.SourceCancelled("s3://m/", "deadline"), "cancelled"),
         (errors.ObjectStoreThrottled("s3://m/x", "slow"), "throttled"),
         (errors.ObjectChanged("s3://m/x", "changed"), "changed"),
         (errors.ObjectTruncated("s3://m/x", "short"), "short_object"),
@@ -192,6 +195,7 @@ def test_progress_draws_a_bar_with_rate_and_eta_on_a_terminal() -> None:
 
 def test_a_resumed_partial_download_keeps_only_what_is_on_disk(tmp_path: Path) -> None:
     from weightd.server.sources.cache import JOURNAL, SourceDir
+    from weightd.server.sources.download import part_name
 
     objs = [_obj("a", 4), _obj("b", 8), _obj("c", 8)]
     cache = SourceDir(str(tmp_path))
@@ -200,7 +204,7 @@ def test_a_resumed_partial_download_keeps_only_what_is_on_disk(tmp_path: Path) -
     journal.done = {"a": {(0, 4)}, "b": {(0, 4)}, "c": {(4, 8)}}
     journal.save(str(Path(directory) / JOURNAL))
     (Path(directory) / "a").write_bytes(b"aaaa")  # checked and renamed, journal not saved
-    (Path(directory) / "b.part").write_bytes(b"\0" * 8)  # c.part is gone
+    (Path(directory) / part_name("b")).write_bytes(b"\0" * 8)  # c's part file is gone
     (tmp_path / "v-old.partial").mkdir()  # another version's download: removed
     again, resumed = SourceDir(str(tmp_path)).partial("fp", objs, 16)
     assert again == directory and resumed.complete == {"a"}

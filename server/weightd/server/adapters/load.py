@@ -32,6 +32,7 @@ from ..base.errors import (
     OutsideRootError,
     PathEscapeError,
     RequestPathError,
+    echo,
 )
 from ..base.paths import ConfinedDir
 from ..checkpoint.description import Checkpoint
@@ -86,10 +87,10 @@ def adapter_digest(config_sha256: str, weights_sha256: str) -> str:
 def _request_parts(source_dir: str) -> None:
     """Refuse a ``source_dir`` that is no plain path (nothing is opened for it)."""
     if "\x00" in source_dir:
-        raise RequestPathError(f"source_dir {source_dir!r} contains a NUL byte")
+        raise RequestPathError(f"source_dir {echo(source_dir)} contains a NUL byte")
     if ".." in source_dir.split("/"):
         raise RequestPathError(
-            f"source_dir {source_dir!r} has a '..' component; name the adapter directory "
+            f"source_dir {echo(source_dir)} has a '..' component; name the adapter directory "
             "under an adapter root without one"
         )
 

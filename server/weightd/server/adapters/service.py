@@ -9,20 +9,35 @@ the same calls, so neither transport depends on the other.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from ..base.cleanup import release_frames
-from ..base.errors import InvalidRequest
+from ..base.errors import (
+    AdapterConfigError,
+    AdapterError,
+    CheckpointError,
+    InvalidRequest,
+    echo,
+)
 from ..checkpoint.description import Checkpoint
 from ..plan.layout import Layout
 from ..registry.models import ModelRegistry
 from ..sources.location import is_remote, parse_s3_uri
 from ..sources.resolver import SourceResolver
+from ..sources.s3 import RemoteObject
 from .collector import AdapterMetrics
-from .load import LoadedAdapter, load_adapter
+from .config import MAX_CONFIG_BYTES
+from .load import (
+    CONFIG_FILE,
+    MAX_ADAPTER_BYTES,
+    WEIGHTS_FILE,
+    LoadedAdapter,
+    load_adapter,
+)
 from .plan import AdapterSlicePlan, plan_adapter
 from .registry import AdapterRegistry, AdapterVersion
 
@@ -57,6 +72,22 @@ def check_tp_only(layout: Layout) -> None:
         raise InvalidRequest(
             f"vocab_pad {layout.vocab_pad}: adapters are cut in equal blocks only (vocab_pad 0)"
         )
+
+
+def naming(exc: CheckpointError, directory: str, uri: str) -> CheckpointError:
+    """``exc`` naming the ``s3://`` object ``uri`` holds instead of its cache copy under
+    ``directory`` (the same class, code and problem): an operator fixes the bucket."""
+    path = exc.path
+    if path == directory or path.startswith(directory + os.sep):
+        rest = os.path.relpath(path, directory)
+        path = uri if rest == "." else uri + rest
+    cls = type(exc)
+    out = cls.__new__(cls)
+    out.__dict__.update(exc.__dict__)
+    out.path = path
+    out.message = f"{path}: {exc.problem}"
+    Exception.__init__(out, out.message)
+    return out
 
 
 class AdapterService:
@@ -127,15 +158,47 @@ class AdapterService:
         expected: str | None,
         room: Callable[[int], None],
     ) -> Callable[[], LoadedAdapter]:
-        """Download (or find cached) the ``s3://`` adapter, then load it as a local one."""
+        """Download (or find cached) the ``s3://`` adapter, then load it as a local one.
+
+        The sizes the store gives are judged against every limit and the budget before
+        the first GET (as a local adapter's are before it is read); a version that fails
+        its checks is removed from the cache, and its errors name the ``s3://`` object,
+        not the cache directory."""
         resolver = self.resolver
         if resolver is None:
-            raise InvalidRequest(f"{source!r}: this daemon has no remote sources configured")
+            raise InvalidRequest(f"{echo(source)}: this daemon has no remote sources configured")
         remote_roots = self.remote_roots
+        uri = source if source.endswith("/") else source + "/"
+
+        def admit(objects: Sequence[RemoteObject]) -> None:
+            sizes = {o.name: o.size for o in objects}
+            config, weights = sizes[CONFIG_FILE], sizes[WEIGHTS_FILE]
+            if config > MAX_CONFIG_BYTES:
+                raise AdapterConfigError(
+                    uri + CONFIG_FILE,
+                    f"{config} bytes in the store, over the {MAX_CONFIG_BYTES}-byte limit; "
+                    "not downloaded",
+                )
+            if weights > MAX_ADAPTER_BYTES:
+                raise AdapterError(
+                    uri + WEIGHTS_FILE,
+                    f"{weights} bytes in the store, over the {MAX_ADAPTER_BYTES}-byte limit; "
+                    "not downloaded",
+                )
+            room(config + weights)
 
         def load() -> LoadedAdapter:
-            directory, root = resolver.resolve_adapter(source, remote_roots, expected)
-            return load_adapter(directory, [root], base, expected, room)
+            resolved = resolver.resolve_adapter(source, remote_roots, expected, admit)
+            root = os.path.dirname(resolved.directory)
+            try:
+                adapter = load_adapter(resolved.directory, [root], base, expected, room)
+            except BaseException as exc:
+                resolver.reject(resolved.directory)
+                if isinstance(exc, CheckpointError):
+                    raise naming(exc, resolved.directory, uri) from None
+                raise
+            resolver.accept(uri, resolved.directory)
+            return adapter
 
         return load
 

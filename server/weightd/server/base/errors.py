@@ -417,6 +417,20 @@ class ModelNotReady(WeightdError):
     code = Code.UNAVAILABLE
 
 
+class ModelLoadFailed(WeightdError):
+    """The model could not be loaded (its source failed or did not verify); the other
+    models serve. A reload retries it."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class ReloadTimedOut(WeightdError):
+    """A reload did not finish (or could not start, another reload of the model holding
+    it) within the caller's deadline; the version serving before keeps serving."""
+
+    code = Code.DEADLINE_EXCEEDED
+
+
 class ModelChanged(WeightdError):
     """A resumed fetch names content the daemon no longer serves (reloaded or restarted
     on another checkpoint): the client must start again from the first tensor rather
@@ -452,6 +466,26 @@ class ObjectStoreError(WeightdError):
 
 class ObjectStoreUnreachable(ObjectStoreError):
     """The endpoint refused the connection, timed out or does not resolve."""
+
+
+class ObjectStoreTooSlow(ObjectStoreUnreachable):
+    """An answer passed its time bound, or a ranged GET fell below the minimum rate after
+    its grace window (``--s3-min-bytes-per-second``): the connection was closed."""
+
+
+class ObjectStoreProtocolError(ObjectStoreError):
+    """The store answered outside what S3 allows or outside weightd's bounds: a listing
+    entry without a key, a size that is not a non-negative integer, a ranged GET without
+    the ETag or ``Content-Range`` that proves which version it came from, a listing over
+    its bounds. Nothing from that answer is used."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class SourceCancelled(ObjectStoreError):
+    """A download was cancelled: its reload's deadline passed, or the daemon is stopping."""
+
+    code = Code.CANCELLED
 
 
 class ObjectStoreThrottled(ObjectStoreError):
@@ -743,8 +777,21 @@ def _bounded(detail: str) -> str:
 ECHO_CHARS: Final = 80
 
 
-def echo(value: str) -> str:
-    """``value`` quoted for an error detail, cut to :data:`ECHO_CHARS` characters."""
-    if len(value) <= ECHO_CHARS:
-        return repr(value)
-    return f"{value[:ECHO_CHARS]!r}... ({len(value.encode())} bytes)"
+_PLAIN: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/@")
+
+
+def echo(value: object, *, bare: bool = False) -> str:
+    """A string from outside (a client's field, an object store's error code, message,
+    key or header) as it may appear in an error detail, a log line or a metric label:
+    escaped (``repr``: no newline, control or bidi character survives, so it can never
+    forge a line or hide text) and cut to :data:`ECHO_CHARS` characters.
+
+    ``bare``: a plain token (letters, digits, ``-_.:/@``) within the cap is shown
+    unquoted, as an error code reads best. The one helper for every such string.
+    """
+    text = value if isinstance(value, str) else str(value)
+    if bare and text and len(text) <= ECHO_CHARS and all(c in _PLAIN for c in text):
+        return text
+    if len(text) <= ECHO_CHARS:
+        return repr(text)
+    return f"{text[:ECHO_CHARS]!r}... ({len(text.encode(errors='replace'))} bytes)"

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from ..base.errors import WeightdError
 from ..config import Named
+from ..telemetry.logs import one_line
 from .client_commands import (
     add_fetch_parser,
     run_describe,
@@ -168,10 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _output_closed()
     except explained as exc:
-        print(f"weightd {args.command}: error: {exc}", file=sys.stderr)
+        print(f"weightd {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"weightd {args.command}: error: {exc}", file=sys.stderr)
+        print(f"weightd {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
         return 1
 
 

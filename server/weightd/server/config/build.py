@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from ..sources.bounds import StoreBounds
 from ..sources.download import DownloadSettings
 from ..sources.resolver import SourceOptions
 from ..sources.s3 import S3Settings
@@ -63,6 +64,12 @@ def source_options(config: ServeConfig) -> SourceOptions:
             region=s3.region,
             max_attempts=s3.max_attempts,
             pool_connections=s3.concurrency + 2,
+            bounds=StoreBounds(
+                min_bytes_per_second=s3.min_bytes_per_second,
+                rate_grace_seconds=s3.rate_grace_seconds,
+                request_seconds=s3.request_seconds,
+                list_seconds=s3.list_seconds,
+            ),
         ),
         download=DownloadSettings(
             part_bytes=s3.part_bytes,

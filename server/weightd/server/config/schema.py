@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ..rpc.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from ..sources.bounds import StoreBounds
 from ..sources.download import DownloadSettings
 from ..sources.s3 import S3Settings
 from ..transports.options import (
@@ -30,6 +31,7 @@ from .kinds import ByteSize, Choice, Flag, Integer, Items, Maybe, Parsed, Second
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 _S3_DOWNLOAD: Final = DownloadSettings()
 _S3: Final = S3Settings()
+_BOUNDS: Final = StoreBounds()
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,31 @@ class S3Section(Section):
         "attempts per request, retries with the SDK's backoff included (throttling, "
         "dropped connections)",
         check=at_least(1),
+    )
+    min_bytes_per_second: int = setting(
+        _BOUNDS.min_bytes_per_second,
+        ByteSize(),
+        "a ranged GET delivering less than this per second (after the grace window) is "
+        "ended, naming the object: a store that drips bytes cannot hold a load forever",
+        check=at_least(1),
+    )
+    rate_grace_seconds: float = setting(
+        _BOUNDS.rate_grace_seconds,
+        Seconds(),
+        "seconds a ranged GET may take before its rate is judged (connection, first byte)",
+        check=(positive, at_most(3600)),
+    )
+    request_seconds: float = setting(
+        _BOUNDS.request_seconds,
+        Seconds(),
+        "seconds a listing page or a HEAD may take, headers and body together",
+        check=(positive, at_most(3600)),
+    )
+    list_seconds: float = setting(
+        _BOUNDS.list_seconds,
+        Seconds(),
+        "seconds a whole listing may take, every page together",
+        check=(positive, at_most(3600)),
     )
 
 

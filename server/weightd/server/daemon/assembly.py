@@ -23,8 +23,8 @@ from ..config import ServeConfig, build
 from ..plan.rules import RuleTable
 from ..plan.rules_file import load_rules_file
 from ..registry.filewatch import ShardWatcher
-from ..registry.loading import Reloader, load_source
-from ..registry.models import ModelRegistry
+from ..registry.loading import Reloader, load_independently, load_source, publish_source
+from ..registry.models import LoadedModel, ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.guards import AdminGate
 from ..rpc.interceptors import InflightTracker, RpcObserver
@@ -142,6 +142,8 @@ class Daemon:
             self.watchdog.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
+        if self.resolver is not None:
+            self.resolver.close()  # downloads still running end at once
         self.registry.close()
         for lock in [self.lock, *self.locks]:
             if lock is not None:
@@ -332,15 +334,31 @@ def load_models(
     options: VerifyOptions | None = None,
 ) -> None:
     """Verify and publish each model (an ``s3://`` one downloaded into the cache first, or
-    found there warm); the first failure propagates (nothing half-published)."""
+    found there warm), each on its own thread: a model serves as soon as it verifies,
+    whatever the others do. A model that fails is ``failed`` (the others serve; a reload
+    retries it); only when every model failed does the first failure propagate (there
+    is nothing to serve)."""
     named = [(name or default_model_name(d), d) for name, d in models]
     for name, _ in named:
         daemon.registry.expect(name)
         if daemon.metrics is not None:
             daemon.metrics.model_known(name)
-    for name, source in named:
-        model, _ = load_source(source, name, daemon.metrics, tables, options, daemon.resolver)
-        daemon.registry.publish(model)
+    if daemon.reloader is not None:
+        daemon.reloader.tables = tuple(tables)
+
+    def load(name: str, source: str) -> LoadedModel:
+        return load_source(source, name, daemon.metrics, tables, options, daemon.resolver)[0]
+
+    def publish(model: LoadedModel) -> None:
+        publish_source(daemon.registry, model, daemon.resolver)
+
+    def wait(thread: threading.Thread) -> None:
+        while thread.is_alive():  # short waits: a signal's handler runs between them
+            thread.join(0.2)
+
+    failures = load_independently(daemon.registry, named, load, publish, wait)
+    if failures and len(failures) == len(named):
+        raise failures[0][1]
 
 
 def serve(config: ServeConfig) -> int:
@@ -374,7 +392,15 @@ def serve(config: ServeConfig) -> int:
             threading.Thread(target=reloader.reload_all, name="weightd-reload", daemon=True).start()
 
         signal.signal(signal.SIGHUP, on_hangup)
-    logs.event("serving", models=",".join(daemon.registry.names()), target=daemon.target)
+    registry = daemon.registry
+    failed = [n for n in registry.names() if registry.state(n)[0] == "failed"]
+    serving = [n for n in registry.names() if n not in failed]
+    if failed:  # these serve nothing; a reload retries them
+        logs.event(
+            "serving", models=",".join(serving), target=daemon.target, failed=",".join(failed)
+        )
+    else:
+        logs.event("serving", models=",".join(serving), target=daemon.target)
     signals.wait()
     status = lifecycle.drain(daemon, config.server.grace, signals)
     logs.event("exit", status=status, aborted=signals.aborted)

@@ -110,7 +110,8 @@ class ModelStateCollector:
     """``weightd_model_state{model,state}``: 1 for the model's state, 0 for the others.
 
     States: loading, ready, stale (serving its verified files, which were since replaced
-    or removed on disk), broken (serving nothing until restored or reloaded). The
+    or removed on disk), broken (serving nothing until restored or reloaded), failed (its
+    load failed and no version serves; the other models do; a reload retries it). The
     reason is in ListModels and the log, never in a label (unbounded text).
     """
 
@@ -120,7 +121,8 @@ class ModelStateCollector:
     def _family(self) -> GaugeMetricFamily:
         return GaugeMetricFamily(
             "weightd_model_state",
-            "1 for the model's current state (loading, ready, stale, broken), 0 for the others.",
+            "1 for the model's current state (loading, ready, stale, broken, failed), 0 for the "
+            "others.",
             labels=["model", "state"],
         )
 

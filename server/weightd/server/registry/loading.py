@@ -16,10 +16,17 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..base.errors import InvalidRequest, ModelNotFound, ModelNotReady, WeightdError
+from ..base.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    ModelNotReady,
+    ReloadTimedOut,
+    WeightdError,
+    echo,
+)
 from ..base.words import count
 from ..plan.rules import RuleTable
 from ..sources.resolver import SourceResolver
@@ -75,14 +82,75 @@ def load_source(
     tables: Sequence[RuleTable] = (),
     options: VerifyOptions | None = None,
     resolver: SourceResolver | None = None,
+    cancel: threading.Event | None = None,
 ) -> tuple[LoadedModel, float]:
     """:func:`load_observed` of ``source``: a local directory as it is, an ``s3://`` one
-    first brought into the cache (downloaded, or found warm) by ``resolver``."""
+    first brought into the cache (downloaded, or found warm) by ``resolver``.
+
+    A cached version that fails verification is removed (nothing unverified stays); one
+    that passes is the caller's to publish, then to :meth:`~SourceResolver.accept`
+    (:func:`publish_source`). ``cancel`` ends a download early (a deadline, shutdown).
+    """
     if resolver is not None:
-        resolved = resolver.resolve_model(name, source)
-        source = resolved.directory
+        resolved = resolver.resolve_model(name, source, cancel)
         options = resolved.options or options
+        try:
+            return load_observed(resolved.directory, name, metrics, tables, options)
+        except BaseException:
+            resolver.reject(resolved.directory)
+            raise
     return load_observed(source, name, metrics, tables, options)
+
+
+def publish_source(
+    registry: ModelRegistry, model: LoadedModel, resolver: SourceResolver | None
+) -> None:
+    """Publish ``model``; its cached version (if any) is then the one that serves."""
+    registry.publish(model)
+    if resolver is not None:
+        resolver.accept(model.name, model.checkpoint.root)
+
+
+def load_independently(
+    registry: ModelRegistry,
+    named: Sequence[tuple[str, str]],
+    load: Callable[[str, str], LoadedModel],
+    publish: Callable[[LoadedModel], None],
+    wait: Callable[[threading.Thread], None] = lambda t: t.join(),
+) -> list[tuple[str, BaseException]]:
+    """Load every ``(name, source)`` on a thread of its own and publish each as soon as it
+    verifies: one slow or failing model never delays another (a local model serves while
+    an ``s3://`` one still downloads). A model whose load fails is marked ``failed`` in
+    ``registry`` (the others serve; a reload retries it). Returns once every model has
+    settled, with the failures in the order given; ``wait(thread)`` joins one loader
+    (the daemon's waits in short steps, so a signal stops start-up promptly).
+    """
+    failures: dict[str, BaseException] = {}
+
+    def run(name: str, source: str) -> None:
+        try:
+            publish(load(name, source))
+        except BaseException as exc:
+            failures[name] = exc
+            registry.fail(name, str(exc) if isinstance(exc, WeightdError) else repr(exc)[:200])
+            if isinstance(exc, Exception) and not isinstance(exc, WeightdError):
+                log.error("loading model %s failed", name, exc_info=exc)
+            if len(named) > 1:
+                log.error(
+                    "model %s failed to load: %s; the other models serve, a reload retries it",
+                    name,
+                    exc,
+                )
+
+    threads = [
+        threading.Thread(target=run, args=(n, src), name=f"weightd-load-{i}", daemon=True)
+        for i, (n, src) in enumerate(named)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        wait(t)
+    return [(n, failures[n]) for n, _ in named if n in failures]
 
 
 @dataclass(frozen=True)
@@ -125,8 +193,12 @@ class Reloader:
         self._options = options
         self._guard = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
+        #: The ``--rules`` tables, for a model that never loaded (set by the start-up).
+        self.tables: tuple[RuleTable, ...] = ()
 
-    def _current(self, name: str) -> LoadedModel:
+    def _current(self, name: str) -> tuple[str, LoadedModel | None]:
+        """The model ``name`` names, and its published version (None: its load failed,
+        and a reload is how it comes back)."""
         published = {m.name: m for m in self._registry.models()}
         every = self._registry.names()
         if not name:
@@ -137,80 +209,197 @@ class Reloader:
             (name,) = every
         model = published.get(name)
         if model is not None:
-            return model  # broken models too: a reload is how they come back
+            return name, model  # broken models too: a reload is how they come back
+        if name in every and self._registry.state(name)[0] == "failed" and name in self._sources:
+            return name, None
         if name in every:
             raise ModelNotReady(
                 f"model {name!r} is still being verified; reload it afterwards", model=name
             )
         raise ModelNotFound(
-            f"model {name!r} is not served here (serving: {', '.join(every)})", model=name
+            f"model {echo(name)} is not served here (serving: {', '.join(every)})", model=name
         )
 
     @contextlib.contextmanager
     def exclusive(self, name: str) -> Iterator[None]:
         """Hold ``name``'s reload lock, so that nothing else reloads it meanwhile (the file
         watcher's restore takes it too, and never races an admin reload)."""
-        with self._guard:
-            lock = self._locks.setdefault(name, threading.Lock())
-        with lock:
+        with self._lock_of(name):
             yield
 
-    def load_aside(self, model: LoadedModel) -> tuple[LoadedModel, float]:
+    def _lock_of(self, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(name, threading.Lock())
+
+    def load_aside(
+        self, model: LoadedModel | str, cancel: threading.Event | None = None
+    ) -> tuple[LoadedModel, float]:
         """Load and verify ``model``'s directory again with its rules and the daemon's trust
         options, publishing nothing; the caller publishes or closes the result. A remote
         source is listed again first: a new version in the store is downloaded (aside,
-        into its own version directory) and verified before anything is swapped."""
-        directory = self._sources.get(model.name, model.checkpoint.root)
+        into its own version directory) and verified before anything is swapped. A name
+        (a model whose load failed) is loaded from its configured source."""
+        if isinstance(model, str):
+            name, directory, tables = model, self._sources[model], self.tables
+        else:
+            name = model.name
+            directory = self._sources.get(name, model.checkpoint.root)
+            tables = model.tables
         return load_source(
-            directory, model.name, self._metrics, model.tables, self._options, self._resolver
+            directory, name, self._metrics, tables, self._options, self._resolver, cancel
         )
 
-    def reload(self, name: str) -> ReloadResult:
-        """Re-read and re-verify ``name`` from its directory; swap in only on success."""
-        current = self._current(name)
-        with self.exclusive(current.name):
-            try:
-                new, seconds = self.load_aside(current)
-            except Exception as exc:
+    def reload(self, name: str, timeout: float | None = None) -> ReloadResult:
+        """Re-read and re-verify ``name`` from its directory; swap in only on success.
+
+        ``timeout`` (the caller's deadline, seconds): the call returns by then whatever
+        happens. Waiting for another reload of the same model counts against it; a load
+        still running at the deadline is cancelled (its downloads end at once), publishes
+        nothing, and releases the model's reload lock when it stops, so no reload is
+        ever blocked by one whose caller is gone.
+        """
+        name, current = self._current(name)
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        lock = self._lock_of(name)
+        if not lock.acquire(
+            timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())
+        ):
+            raise ReloadTimedOut(
+                f"model {name!r}: another reload of it was still running at this call's "
+                f"deadline ({timeout:g} s); nothing was changed"
+            )
+        job = _ReloadJob()
+        worker = threading.Thread(
+            target=self._run_job,
+            args=(job, name, current, lock),
+            name="weightd-reload-job",
+            daemon=True,
+        )
+        worker.start()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not job.done.wait(left):
+            with job.lock:
+                job.abandoned = not job.finished
+            if job.abandoned:
+                job.cancel.set()
                 if self._metrics is not None:
-                    self._metrics.reloads.labels(current.name, "failed").inc()
+                    self._metrics.reloads.labels(name, "failed").inc()
+                serving = "the previous version serves" if current is not None else "nothing"
                 logs.event(
                     "reload",
                     logging.ERROR,
-                    model=current.name,
-                    outcome="failed",
-                    serving="previous version" if current.broken is None else "nothing",
-                    error=str(exc),
+                    model=name,
+                    outcome="timed_out",
+                    serving=serving,
+                    seconds=timeout,
                 )
-                raise
-            self._registry.publish(new)
+                raise ReloadTimedOut(
+                    f"model {name!r}: the reload did not finish within {timeout:g} s; it was "
+                    f"cancelled and publishes nothing ({serving})"
+                )
+            job.done.wait()  # it finished at that very moment: its outcome holds
+        if job.error is not None:
+            if self._metrics is not None:
+                self._metrics.reloads.labels(name, "failed").inc()
+            logs.event(
+                "reload",
+                logging.ERROR,
+                model=name,
+                outcome="failed",
+                serving=(
+                    "previous version"
+                    if current is not None and current.broken is None
+                    else "nothing"
+                ),
+                error=str(job.error),
+            )
+            raise job.error
+        assert job.result is not None
+        new = job.result.model
         if self._metrics is not None:
-            self._metrics.reloads.labels(current.name, "ok").inc()
+            self._metrics.reloads.labels(name, "ok").inc()
         logs.event(
             "reload",
-            model=current.name,
+            model=name,
             outcome="ok",
             tensors=len(new.checkpoint.tensors),
             bytes=new.checkpoint.total_bytes,
-            seconds=seconds,
+            seconds=job.result.seconds,
         )
-        return ReloadResult(new, seconds)
+        return job.result
+
+    def _run_job(
+        self, job: _ReloadJob, name: str, current: LoadedModel | None, lock: threading.Lock
+    ) -> None:
+        """The reload's load, on its own thread; publishes unless its caller gave up."""
+        try:
+            try:
+                new, seconds = self.load_aside(current if current is not None else name, job.cancel)
+            except BaseException as exc:
+                with job.lock:
+                    job.finished = True
+                    job.error = exc
+                return
+            with job.lock:
+                job.finished = True
+                abandoned = job.abandoned
+            if abandoned:
+                new.store.close()
+                if self._resolver is not None:
+                    self._resolver.reject(new.checkpoint.root)
+                log.warning(
+                    "reload of model %s finished after its caller's deadline: not published",
+                    name,
+                )
+                return
+            publish_source(self._registry, new, self._resolver)
+            job.result = ReloadResult(new, seconds)
+        finally:
+            lock.release()
+            job.done.set()
 
     def reload_all(self) -> list[ReloadOutcome]:
-        """Reload every published model, each independently (SIGHUP); never raises."""
-        outcomes = []
-        for model in self._registry.models():
+        """Reload every published model (and every failed one), each on its own thread
+        (SIGHUP): a model whose store is slow never holds up the others. Never raises;
+        the outcomes are in the models' order."""
+        published = {m.name for m in self._registry.models()}
+        failed = {n for n in self._registry.names() if self._registry.state(n)[0] == "failed"}
+        names = sorted(published | (failed & self._sources.keys()))
+        outcomes: dict[str, ReloadOutcome] = {}
+
+        def one(name: str) -> None:
             started = time.monotonic()
             try:
-                result = self.reload(model.name)
+                result = self.reload(name)
             except Exception as exc:  # logged by reload(); the old version keeps serving
                 if not isinstance(exc, WeightdError):
-                    log.exception("reload of model %s failed", model.name)
-                outcomes.append(
-                    ReloadOutcome(model.name, False, str(exc), time.monotonic() - started)
-                )
-                continue
+                    log.exception("reload of model %s failed", name)
+                outcomes[name] = ReloadOutcome(name, False, str(exc), time.monotonic() - started)
+                return
             ckpt = result.model.checkpoint
             detail = f"{count(len(ckpt.tensors), 'tensor')}, {ckpt.total_bytes} bytes"
-            outcomes.append(ReloadOutcome(model.name, True, detail, result.seconds))
-        return outcomes
+            outcomes[name] = ReloadOutcome(name, True, detail, result.seconds)
+
+        threads = [
+            threading.Thread(target=one, args=(n,), name=f"weightd-reload-{i}", daemon=True)
+            for i, n in enumerate(names)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [outcomes[n] for n in names if n in outcomes]
+
+
+class _ReloadJob:
+    """One reload's load running aside, and who decides its outcome (the first of: the
+    load finishing, or its caller's deadline)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.cancel = threading.Event()
+        self.finished = False
+        self.abandoned = False
+        self.error: BaseException | None = None
+        self.result: ReloadResult | None = None

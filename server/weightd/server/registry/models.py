@@ -14,7 +14,14 @@ from functools import cached_property
 from weightd.common.digests import SLICE_DIGEST_ALGORITHM
 
 from ..base.cleanup import on_error
-from ..base.errors import DataIntegrityError, InvalidRequest, ModelNotFound, ModelNotReady, echo
+from ..base.errors import (
+    DataIntegrityError,
+    InvalidRequest,
+    ModelLoadFailed,
+    ModelNotFound,
+    ModelNotReady,
+    echo,
+)
 from ..checkpoint.description import Checkpoint
 from ..plan.builtin_rules import rules_for
 from ..plan.layout import Layout
@@ -105,12 +112,19 @@ class LoadedModel:
 
 
 #: Every state :func:`model_state` reports (a bounded metric label).
-MODEL_STATES = ("loading", "ready", "stale", "broken")
+MODEL_STATES = ("loading", "ready", "stale", "broken", "failed")
 
 
-def model_state(model: LoadedModel | None, loading: bool) -> tuple[str, str]:
-    """(state, reason) of a registry entry (pure). Broken wins over stale: it serves nothing."""
+def model_state(
+    model: LoadedModel | None, loading: bool, failed: str | None = None
+) -> tuple[str, str]:
+    """(state, reason) of a registry entry (pure). Broken wins over stale: it serves nothing.
+
+    ``failed``: why the model's load failed when no version of it was ever published
+    (it serves nothing; the other models serve; a reload retries it)."""
     if model is None:
+        if failed is not None and not loading:
+            return "failed", failed
         return ("loading", "being verified") if loading else ("loading", "")
     if model.broken is not None:
         extra = f"; on disk: {model.stale}" if model.stale else ""
@@ -162,6 +176,8 @@ class ModelRegistry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._loading: set[str] = set()
+        #: Models whose load failed before any version was published, and why.
+        self._failed: dict[str, str] = {}
         self._models: dict[str, LoadedModel] = {}
         self._listeners: list[Callable[[str, bool], None]] = []
 
@@ -178,11 +194,23 @@ class ModelRegistry:
             self._loading.add(name)
         self._notify(name, False)
 
+    def fail(self, name: str, reason: str) -> None:
+        """``name``'s load failed and no version of it serves: state ``failed`` (ListModels,
+        ``weightd_model_state``), Fetch answers FAILED_PRECONDITION with ``reason``. A
+        model that has a published version keeps it (a failed reload changes nothing)."""
+        with self._lock:
+            self._loading.discard(name)
+            if name in self._models:
+                return
+            self._failed[name] = reason
+        self._notify(name, False)
+
     def publish(self, model: LoadedModel) -> None:
         with self._lock:
             old = self._models.get(model.name)
             self._models[model.name] = model
             self._loading.discard(model.name)
+            self._failed.pop(model.name, None)
         if old is not None and old is not model:
             # Fetches still streaming from the old version hold references: its files
             # close when the last one lets go, not under their feet.
@@ -229,11 +257,12 @@ class ModelRegistry:
         with self._lock:
             model = self._models.get(name)
             loading = name in self._loading
-        return model_state(model, loading)
+            failed = self._failed.get(name)
+        return model_state(model, loading, failed)
 
     def names(self) -> list[str]:
         with self._lock:
-            return sorted(self._loading | self._models.keys())
+            return sorted(self._loading | self._failed.keys() | self._models.keys())
 
     def models(self) -> list[LoadedModel]:
         with self._lock:
@@ -248,7 +277,7 @@ class ModelRegistry:
         """The ready model called ``name`` (or the only model when ``name`` is empty)."""
         with self._lock:
             if not name:
-                every = self._loading | self._models.keys()
+                every = self._loading | self._failed.keys() | self._models.keys()
                 if len(every) != 1:
                     raise InvalidRequest(
                         f"this daemon serves {len(every)} models ({', '.join(sorted(every))}); "
@@ -257,9 +286,14 @@ class ModelRegistry:
                 (name,) = every
             model = self._models.get(name)
             loading = name in self._loading
+            failed = self._failed.get(name)
         if model is None:
             if loading:
                 raise ModelNotReady(f"model {name!r} is still being verified", model=name)
+            if failed is not None:
+                raise ModelLoadFailed(
+                    f"model {name!r} failed to load: {failed}; a reload retries it", model=name
+                )
             raise ModelNotFound(
                 f"model {echo(name)} is not served here (serving: {', '.join(self.names())})",
                 model=name,

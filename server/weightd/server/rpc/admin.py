@@ -27,6 +27,8 @@ from .status import abort, unary
 from .wire import WEIGHTS_SERVICE
 
 log = logging.getLogger("weightd.admin")
+#: A deadline further away than this is no deadline (gRPC reports "none" as a huge one).
+MAX_RELOAD_WAIT_SECONDS = 365 * 86400.0
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -71,7 +73,16 @@ class AdminService(pb_grpc.AdminServicer):
 
     @unary
     def Reload(self, request: pb.ReloadRequest, context: grpc.ServicerContext) -> pb.ReloadResponse:
-        result = self._reloader.reload(request.model)
+        # The caller's deadline bounds the reload: past it the load is cancelled and
+        # publishes nothing, and the model's reload lock is not held by a call gone.
+        # It gives up a moment before the deadline, so the caller hears why.
+        left = context.time_remaining()
+        timeout = (
+            max(0.0, left - min(0.5, left / 10))
+            if left is not None and left < MAX_RELOAD_WAIT_SECONDS
+            else None
+        )
+        result = self._reloader.reload(request.model, timeout)
         ckpt = result.model.checkpoint
         return pb.ReloadResponse(
             model=ckpt.name,

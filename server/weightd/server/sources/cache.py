@@ -5,7 +5,7 @@ subdirectory per object-store version of it.
 <cache-dir>/sources/<id>/            0700; id = SHA-256 of endpoint, bucket and prefix
   source.json                        what it is (for people; never read back)
   lock                               flock: one downloader per source per host
-  v-<fp>.partial/                    a download in progress: NAME.part files + journal.json
+  v-<fp>.partial/                    a download in progress: .part-<h> files + .journal.json
   v-<fp>/                            a complete version: exactly the pinned files
 ```
 
@@ -27,19 +27,26 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from ..base.atomicio import write_atomic
-from .download import PART_SUFFIX
+from ..base.errors import SourceCancelled
+from .download import part_name
 from .journal import Journal, load_journal
 from .location import S3Location
 from .s3 import RemoteObject
 
-JOURNAL: Final = "journal.json"
+#: Dot-named, as the part files are: no object's name can be it (an object called
+#: ``journal.json`` is a file of the version like any other).
+JOURNAL: Final = ".journal.json"
 PARTIAL: Final = ".partial"
 VERSION_PREFIX: Final = "v-"
+#: Seconds between two tries of a source's lock held by another process.
+_LOCK_POLL_SECONDS: Final = 0.1
 #: Versions kept per source: the newest and the one it replaces.
 KEEP_VERSIONS: Final = 2
 
@@ -81,15 +88,39 @@ class SourceDir:
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, root: str, endpoint: str | None, location: S3Location) -> Iterator[SourceDir]:
+    def open(
+        cls,
+        root: str,
+        endpoint: str | None,
+        location: S3Location,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[SourceDir]:
         _mkdir_private(root)
         path = os.path.join(root, source_id(endpoint, location))
         _mkdir_private(path)
         info = {"endpoint": endpoint, "bucket": location.bucket, "prefix": location.prefix}
         write_atomic(os.path.join(path, "source.json"), json.dumps(info).encode(), mode=0o600)
+        with cls.locked(path, cancel) as held:
+            yield held
+
+    @classmethod
+    @contextlib.contextmanager
+    def locked(cls, path: str, cancel: threading.Event | None = None) -> Iterator[SourceDir]:
+        """The existing source directory ``path``, under its lock. Another daemon on this
+        host downloading the same source holds it: wait, unless ``cancel`` is set first
+        (a reload's deadline), which ends the wait with ``SourceCancelled``."""
         fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # another daemon on this host downloading it: wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if cancel is not None and cancel.is_set():
+                        raise SourceCancelled(
+                            path, "cancelled while another process held the source's lock"
+                        ) from None
+                    time.sleep(_LOCK_POLL_SECONDS)
             yield cls(path)
         finally:
             os.close(fd)
@@ -127,7 +158,7 @@ class SourceDir:
             load_journal(os.path.join(directory, JOURNAL)) if os.path.isdir(directory) else None
         )
         if journal is not None and journal.matches(objects):
-            # NAME exists only once NAME.part passed its check and was renamed (perhaps
+            # NAME exists only once its part file passed its check and was renamed (perhaps
             # just before a crash, with the journal not yet saved): complete at its size,
             # and nothing else is.
             for name, pin in journal.pins.items():
@@ -138,7 +169,7 @@ class SourceDir:
                 else:
                     journal.complete.discard(name)
             for name in list(journal.done):
-                if not os.path.isfile(os.path.join(directory, name + PART_SUFFIX)):
+                if not os.path.isfile(os.path.join(directory, part_name(name))):
                     journal.done.pop(name)
             return directory, journal
         shutil.rmtree(directory, ignore_errors=True)
@@ -162,15 +193,16 @@ class SourceDir:
         self.prune({final, *keep})
         return final
 
-    def prune(self, keep: set[str]) -> None:
-        """Remove complete versions other than ``keep`` beyond the newest
-        :data:`KEEP_VERSIONS` (a version in ``keep`` is never removed)."""
+    def prune(self, keep: set[str], keep_newest: int = KEEP_VERSIONS) -> None:
+        """Remove complete versions other than ``keep`` beyond the newest ``keep_newest``
+        (a version in ``keep`` is never removed)."""
         versions = [
             os.path.join(self.path, e)
             for e in os.listdir(self.path)
             if e.startswith(VERSION_PREFIX) and not e.endswith(PARTIAL)
         ]
         versions.sort(key=lambda p: os.stat(p).st_mtime_ns, reverse=True)
-        for old in versions[KEEP_VERSIONS:]:
-            if old not in keep:
+        kept = {os.path.realpath(k) for k in keep}
+        for old in versions[keep_newest:]:
+            if os.path.realpath(old) not in kept:
                 shutil.rmtree(old, ignore_errors=True)

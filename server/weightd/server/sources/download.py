@@ -14,6 +14,7 @@ did finish, and is raised.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import threading
 import time
@@ -24,12 +25,20 @@ from dataclasses import dataclass
 from typing import Final
 
 from ..base.atomicio import write_error
-from ..base.errors import ObjectTruncated, StorageFullError, WeightdError
+from ..base.errors import ObjectTruncated, SourceCancelled, StorageFullError, WeightdError
 from .journal import Journal, Range
 from .location import S3Location
 from .s3 import RemoteObject, S3Store
 
-PART_SUFFIX: Final = ".part"
+#: A file being downloaded is ``.part-<digest of its name>``: a name no object can
+#: have (object names never start with a dot), of a fixed length whatever the object's
+#: name (a 255-byte name plus a suffix would pass the file system's name limit).
+PART_PREFIX: Final = ".part-"
+
+
+def part_name(name: str) -> str:
+    """The in-progress file of object ``name`` in a partial directory (pure)."""
+    return PART_PREFIX + hashlib.sha256(name.encode()).hexdigest()[:40]
 
 
 @dataclass(frozen=True)
@@ -56,16 +65,23 @@ class Throttle:
         self._lock = threading.Lock()
         self._next = time.monotonic()
 
-    def take(self, n: int) -> None:
+    def reserve(self, n: int) -> float:
+        """The seconds to wait before ``n`` more bytes are within the rate (the caller
+        waits them; they are booked now)."""
         if not self.rate:
-            return
+            return 0.0
         with self._lock:
             now = time.monotonic()
             start = max(self._next, now)
             self._next = start + n / self.rate
-            delay = start - now
+            return max(start - now, 0.0)
+
+    def take(self, n: int) -> float:
+        """Wait until ``n`` more bytes are within the rate; returns the seconds waited."""
+        delay = self.reserve(n)
         if delay > 0:
             time.sleep(delay)
+        return delay
 
 
 class _Stopped(Exception):
@@ -105,6 +121,7 @@ class Download:
         check_file: Callable[[RemoteObject, str], None],
         progress: Callable[[int, int], None] | None = None,
         on_range: Callable[[RemoteObject, int, AbstractSet[Range]], None] | None = None,
+        cancel: threading.Event | None = None,
     ) -> None:
         self.store = store
         self.location = location
@@ -121,6 +138,9 @@ class Download:
         self.on_range = on_range
         self.throttle = Throttle(settings.max_bytes_per_second)
         self.stop = threading.Event()
+        #: Set by the caller to end the download early (a reload's deadline, shutdown):
+        #: GETs in flight end at once (their connections are closed), nothing is published.
+        self.cancel = cancel if cancel is not None else threading.Event()
         self._lock = threading.Lock()
         #: Bytes received from the store by this download (what the metrics count).
         self.fetched = 0
@@ -131,14 +151,22 @@ class Download:
         offset = start
         s = self.settings
         uri = self.location.object_uri(f.obj.name)
-        for piece in self.store.get_range(self.location, f.obj, start, end, s.read_chunk):
+        pieces = self.store.get_range(
+            self.location,
+            f.obj,
+            start,
+            end,
+            s.read_chunk,
+            pace=self.throttle.reserve,
+            cancel=self.cancel,
+        )
+        for piece in pieces:
             if self.stop.is_set():
                 raise _Stopped
-            if offset + len(piece) > end:
+            if offset + len(piece) > end:  # get_range never yields more; kept as a guard
                 raise ObjectTruncated(
                     uri, f"range [{start}, {end}) sent more than {end - start} bytes"
                 )
-            self.throttle.take(len(piece))
             try:
                 _pwrite_all(f.fd, piece, offset)
             except OSError as exc:  # ENOSPC, EDQUOT, EIO: typed, naming the cache file
@@ -155,7 +183,7 @@ class Download:
         return rng
 
     def _open(self, obj: RemoteObject, left: int) -> _File:
-        part = os.path.join(self.directory, obj.name + PART_SUFFIX)
+        part = os.path.join(self.directory, part_name(obj.name))
         try:
             fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
@@ -227,6 +255,7 @@ class Download:
         pending: dict[futures.Future[Range], _File] = {}
         checker = futures.ThreadPoolExecutor(1, thread_name_prefix="weightd-s3-check")
         checks: list[tuple[futures.Future[None], int]] = []
+        last_check: dict[str, futures.Future[None]] = {}
         queue = list(reversed(tasks))
         last_save = time.monotonic()
 
@@ -271,10 +300,22 @@ class Download:
                         fd = os.dup(f.fd)
                         snapshot = frozenset(done_ranges)
                         checks.append((checker.submit(check, f.obj, fd, snapshot), fd))
+                        last_check[f.obj.name] = checks[-1][0]
                     if f.left == 0:
+                        # The checks run in order on one thread: once this file's last
+                        # one is done, every byte of it was seen (and judged) there.
+                        pending_check = last_check.pop(f.obj.name, None)
+                        if pending_check is not None:
+                            pending_check.result()
                         self._finish(f)
                 if failure is None:
                     failure = check_failure()
+                    if failure is None and self.cancel.is_set():
+                        failure = SourceCancelled(
+                            self.location.uri,
+                            "the download was cancelled (a deadline or "
+                            "shutdown); what finished is kept for the next try",
+                        )
                     if failure is not None:
                         self.stop.set()
                 if failure is not None:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from ..base.errors import InvalidRequest, UsageError
+from ..base.errors import InvalidRequest, UsageError, echo
 
 SCHEME: Final = "s3://"
 #: Bucket names as S3 allows them (3-63 of lowercase letters, digits, dots, dashes);
@@ -63,22 +63,23 @@ def parse_s3_uri(text: str, *, error: type[Exception] = UsageError) -> S3Locatio
     characters, a prefix over S3's key limit.
     """
     if not text.startswith(SCHEME):
-        raise error(f"{text!r} is not an s3:// location")
+        raise error(f"{echo(text)} is not an s3:// location")
     rest = text[len(SCHEME) :]
     bucket, _, prefix = rest.partition("/")
     if not _BUCKET.match(bucket):
         raise error(
-            f"{text!r}: bucket name {bucket!r} is not valid (3-63 characters of a-z, 0-9, '.', '-')"
+            f"{echo(text)}: bucket name {echo(bucket)} is not valid "
+            "(3-63 characters of a-z, 0-9, '.', '-')"
         )
     if prefix and not prefix.endswith("/"):
         prefix += "/"
     if prefix:
         if any(part in ("", ".", "..") for part in prefix[:-1].split("/")):
-            raise error(f"{text!r}: the prefix has an empty, '.' or '..' segment")
+            raise error(f"{echo(text)}: the prefix has an empty, '.' or '..' segment")
         if not prefix.isprintable():
-            raise error(f"{text!r}: the prefix has control characters")
+            raise error(f"{echo(text)}: the prefix has control characters")
     if len(prefix.encode()) > MAX_KEY_BYTES:
-        raise error(f"{text!r}: the prefix is longer than S3's {MAX_KEY_BYTES}-byte key limit")
+        raise error(f"{echo(text)}: the prefix is longer than S3's {MAX_KEY_BYTES}-byte key limit")
     return S3Location(bucket, prefix)
 
 
@@ -101,7 +102,9 @@ def adapter_location(source: str, roots: tuple[S3Location, ...]) -> S3Location:
     the ``--adapter-root s3://...`` roots; the caller's mistake otherwise."""
     location = parse_s3_uri(source, error=InvalidRequest)
     if not roots:
-        raise InvalidRequest(f"{source!r}: no s3:// adapter roots are configured (--adapter-root)")
+        raise InvalidRequest(
+            f"{echo(source)}: no s3:// adapter roots are configured (--adapter-root)"
+        )
     for root in roots:
         if (
             location.bucket == root.bucket
@@ -110,7 +113,7 @@ def adapter_location(source: str, roots: tuple[S3Location, ...]) -> S3Location:
         ):
             return location
     raise InvalidRequest(
-        f"{source!r} is not under an adapter root ({', '.join(r.uri for r in roots)})"
+        f"{echo(source)} is not under an adapter root ({', '.join(r.uri for r in roots)})"
     )
 
 

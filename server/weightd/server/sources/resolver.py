@@ -19,15 +19,17 @@ The order is the trust argument:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, TextIO
 
@@ -42,18 +44,23 @@ from ..base.errors import (
     ObjectTruncated,
     RemoteTrustError,
     UsageError,
+    WeightdError,
+    echo,
 )
+from ..store.shards import FileIdentity
 from ..telemetry import logs
 from ..telemetry.metrics import SourceMetrics, source_failure_reason
 from ..telemetry.progress import render_bar
+from ..trust.hashcache import CacheEntry, HashCache
+from ..trust.hashing import ShardDigests, TensorRange
 from ..trust.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from ..trust.signing import check_signature, load_public_key
 from ..trust.verify import VerifyOptions, read_operator_file
-from .cache import JOURNAL, SourceDir, fingerprint
+from .cache import JOURNAL, KEEP_VERSIONS, SourceDir, fingerprint
 from .download import Download, DownloadSettings
 from .location import S3Location, adapter_location, is_remote, parse_s3_uri
 from .s3 import RemoteObject, S3Settings, S3Store
-from .tensorcheck import TensorChecker
+from .tensorcheck import FileHashes, TensorChecker
 
 log = logging.getLogger("weightd.sources")
 
@@ -65,9 +72,6 @@ _PLAIN_MD5: Final = re.compile(r'^"?([0-9a-f]{32})"?$')
 #: Largest ``.json`` downloaded without a manifest pinning its size (an index of a
 #: very large model is a few MiB; the local reader caps what it parses anyway).
 MAX_JSON_BYTES: Final = 64 << 20
-#: Version directories remembered per source as possibly serving (the current one, the
-#: one before it, and versions whose verification is still deciding).
-MAX_HANDED: Final = 4
 #: Seconds between two progress lines.
 PROGRESS_INTERVAL_S: Final = 5.0
 
@@ -86,12 +90,28 @@ class SourceOptions:
 
 
 @dataclass(frozen=True)
+class _Manifest:
+    """A model's manifest, where it came from, and whether a ``--trust-key`` signed it."""
+
+    manifest: Manifest
+    origin: str  # as configured: a local path or an s3:// URI
+    signed: bool
+
+
+@dataclass(frozen=True)
 class Resolved:
-    """A source as a local directory, and the verify options that go with it."""
+    """A source as a local directory, and the verify options that go with it.
+
+    A downloaded (or warm) version is not yet *serving*: the caller verifies it, then
+    calls :meth:`SourceResolver.accept` once it is published (it serves: never pruned)
+    or :meth:`SourceResolver.reject` (it failed: removed, nothing unverified stays).
+    """
 
     directory: str
     options: VerifyOptions | None
     downloaded: int  # bytes fetched from the store for it (0: warm)
+    #: The source's cache directory; "" for a local source (nothing to accept or reject).
+    source_dir: str = ""
 
 
 class _Progress:
@@ -131,18 +151,6 @@ class _Progress:
         )
 
 
-def _file_digest(path: str, algorithm: str) -> str:
-    """Hex digest of the file at ``path`` (not followed if a link), read by descriptor."""
-    h = hashlib.new(algorithm, usedforsecurity=algorithm != "md5")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        while chunk := os.read(fd, 8 << 20):
-            h.update(chunk)
-    finally:
-        os.close(fd)
-    return h.hexdigest()
-
-
 class SourceResolver:
     """Brings ``s3://`` sources into the cache; local directories pass through.
 
@@ -162,9 +170,10 @@ class SourceResolver:
         self.metrics = metrics
         self._store: S3Store | None = None
         self._lock = threading.Lock()
-        #: Version directories handed out per source (newest last): a reload's prune
-        #: never removes one of them, since the model may still be serving from it.
-        self._handed: dict[str, list[str]] = {}
+        #: Per source cache directory, the version each owner (a model, an adapter
+        #: source) serves: only a version that passed verification is here, and no
+        #: prune ever removes one of them.
+        self._serving: dict[str, dict[str, str]] = {}
         self._retries_seen = 0
 
     @property
@@ -174,17 +183,86 @@ class SourceResolver:
                 self._store = S3Store(self.options.s3)
             return self._store
 
+    def close(self) -> None:
+        """Shutdown: every request to the store in flight ends at once (typed error)."""
+        with self._lock:
+            store = self._store
+        if store is not None:
+            store.close()
+
+    @contextlib.contextmanager
+    def _accounted(self) -> Iterator[None]:
+        """Every failure of a remote source counted by reason, whatever step failed (the
+        listing, the manifest, a GET, a check), and the SDK's retries."""
+        try:
+            yield
+        except Exception as exc:
+            if self.metrics is not None:
+                self.metrics.failures.labels(source_failure_reason(exc)).inc()
+            raise
+        finally:
+            with self._lock:
+                store = self._store
+                total = store.retries.total if store is not None else self._retries_seen
+                delta, self._retries_seen = total - self._retries_seen, total
+            if self.metrics is not None and delta > 0:
+                self.metrics.retries.inc(delta)
+
+    # --- what serves ---------------------------------------------------------------
+
+    def _keep(self, source_dir: str) -> set[str]:
+        """The version directories that serve, of the source cached in ``source_dir``
+        (real paths: a cache directory named through a link is the same directory)."""
+        with self._lock:
+            return set(self._serving.get(os.path.realpath(source_dir), {}).values())
+
+    def _source_of(self, directory: str) -> str | None:
+        """The source cache directory ``directory`` is a version of; None when it is not
+        one of the cache's (a local model's directory: never touched)."""
+        if not self.options.cache_dir:
+            return None
+        parent = os.path.dirname(os.path.realpath(directory))
+        root = os.path.realpath(self.options.cache_dir)
+        return parent if os.path.dirname(parent) == root else None
+
+    def accept(self, owner: str, directory: str) -> None:
+        """``owner`` (a model, an adapter source) now serves ``directory``: it passed
+        verification and was published; never pruned while it serves. The version it
+        served before may go at the next prune."""
+        source_dir = self._source_of(directory)
+        if source_dir is not None:
+            with self._lock:
+                self._serving.setdefault(source_dir, {})[owner] = os.path.realpath(directory)
+
+    def reject(self, directory: str) -> None:
+        """``directory`` failed verification (or its reload was abandoned): removed from
+        the cache unless something serves it, so nothing unverified is kept."""
+        source_dir = self._source_of(directory)
+        if source_dir is not None and os.path.realpath(directory) not in self._keep(source_dir):
+            with SourceDir.locked(source_dir):
+                shutil.rmtree(directory, ignore_errors=True)
+
     # --- models ----------------------------------------------------------------------
 
     def needs_resolving(self, name: str, source: str) -> bool:
         manifest = self.verify.manifest_for(name)
         return is_remote(source) or (manifest is not None and is_remote(manifest))
 
-    def resolve_model(self, name: str, source: str) -> Resolved:
-        """The local directory to load model ``name`` from (``source`` itself if local)."""
+    def resolve_model(
+        self, name: str, source: str, cancel: threading.Event | None = None
+    ) -> Resolved:
+        """The local directory to load model ``name`` from (``source`` itself if local).
+
+        ``cancel``: set by the caller to end a download early (its requests end at once).
+        """
         if not self.needs_resolving(name, source):
             return Resolved(source, None, 0)
-        manifest = self._manifest(name, source)
+        with self._accounted():
+            return self._resolve_model(name, source, cancel)
+
+    def _resolve_model(self, name: str, source: str, cancel: threading.Event | None) -> Resolved:
+        found = self._manifest(name, source, cancel)
+        manifest = found.manifest if found is not None else None
         options = self.verify
         if manifest is not None:
             options = dataclasses.replace(
@@ -193,26 +271,43 @@ class SourceResolver:
         if not is_remote(source):
             return Resolved(source, options, 0)
         location = parse_s3_uri(source)
-        if manifest is None and not self.options.trust_object_store:
+        trusted = found is not None and (found.signed or not is_remote(found.origin))
+        if not trusted and not self.options.trust_object_store:
+            if found is not None:
+                raise RemoteTrustError(
+                    f"model {name!r}: manifest {found.origin} comes from the object store "
+                    "and is not signed by a --trust-key, so it proves nothing the bucket does "
+                    "not (whoever can rewrite a shard can rewrite it too): sign it (`weightd "
+                    "manifest create --sign-key`) and give --trust-key, give a local "
+                    "manifest, or --trust-object-store to serve whatever the bucket holds"
+                )
             raise RemoteTrustError(
                 f"model {name!r} comes from {location.uri}, and an object store is not a trust "
-                f"root: give --manifest {name}=FILE (a local file or an s3:// object) made with "
-                "`weightd manifest create`, or --trust-object-store to serve whatever the "
-                "bucket holds"
+                f"root: give --manifest {name}=FILE (a local file, or an s3:// object signed "
+                "by a --trust-key) made with `weightd manifest create`, or "
+                "--trust-object-store to serve whatever the bucket holds"
             )
-        objects = self._select_model_files(location, manifest)
-        directory, fetched = self._bring(name, "model", location, objects, manifest)
-        return Resolved(directory, options, fetched)
+        objects = self._select_model_files(location, manifest, cancel)
+        directory, fetched, source_dir = self._bring(
+            name, "model", location, objects, manifest, cancel
+        )
+        return Resolved(directory, options, fetched, source_dir)
 
-    def _manifest(self, name: str, source: str) -> Manifest | None:
-        """The model's manifest, parsed and signature-checked, as a local file path."""
+    def _manifest(
+        self, name: str, source: str, cancel: threading.Event | None = None
+    ) -> _Manifest | None:
+        """The model's manifest, parsed and signature-checked, as a local file path.
+
+        With ``--trust-key`` every manifest must be signed by one (refused otherwise);
+        without, a local manifest is the operator's own file, and an ``s3://`` one is
+        marked unsigned (it is then no trust root for a remote source)."""
         path = self.verify.manifest_for(name)
         if path is None:
             return None
         if is_remote(path):
             location = parse_s3_uri(path.rpartition("/")[0] + "/")
             object_name = path.rpartition("/")[2]
-            raw = self._read_small(location, object_name, MAX_MANIFEST_BYTES)
+            raw = self._read_small(location, object_name, MAX_MANIFEST_BYTES, cancel)
             cache = os.path.join(self.options.cache_dir, "manifests")
             os.makedirs(cache, mode=0o700, exist_ok=True)
             local = os.path.join(cache, hashlib.sha256(raw).hexdigest()[:32] + ".json")
@@ -222,27 +317,38 @@ class SourceResolver:
         else:
             raw = read_operator_file(path, MAX_MANIFEST_BYTES, ManifestSyntaxError)
             manifest = parse_manifest(path, raw)
+        signed = False
         if self.verify.trust_keys:
             check_signature(manifest, [load_public_key(k) for k in self.verify.trust_keys])
-        return manifest
+            signed = True
+        return _Manifest(manifest, path, signed)
 
-    def _read_small(self, location: S3Location, name: str, limit: int) -> bytes:
-        obj = self.store.head(location, name)
+    def _read_small(
+        self, location: S3Location, name: str, limit: int, cancel: threading.Event | None = None
+    ) -> bytes:
+        """A small object whole, in memory: at most ``limit`` bytes, whatever the store
+        announces or sends (the GET asks for the HEAD's size and reads no more)."""
+        obj = self.store.head(location, name, cancel)
         if obj.size > limit:
             raise ManifestSyntaxError(
                 location.object_uri(name), f"larger than the {limit}-byte limit"
             )
         data = (
-            b"".join(self.store.get_range(location, obj, 0, obj.size, 1 << 20)) if obj.size else b""
+            b"".join(self.store.get_range(location, obj, 0, obj.size, 1 << 20, cancel=cancel))
+            if obj.size
+            else b""
         )
         if len(data) != obj.size:
             raise ObjectTruncated(location.object_uri(name), f"got {len(data)} of {obj.size} bytes")
         return data
 
     def _select_model_files(
-        self, location: S3Location, manifest: Manifest | None
+        self,
+        location: S3Location,
+        manifest: Manifest | None,
+        cancel: threading.Event | None = None,
     ) -> list[RemoteObject]:
-        listed, skipped = self.store.list(location)
+        listed, skipped = self.store.list(location, cancel)
         by_name = {o.name: o for o in listed}
         if manifest is not None:
             problems = []
@@ -281,11 +387,27 @@ class SourceResolver:
     # --- adapters --------------------------------------------------------------------
 
     def resolve_adapter(
-        self, source: str, roots: Sequence[S3Location], expected_digest: str | None
-    ) -> tuple[str, str]:
-        """(the adapter's version directory, its source cache directory) for an ``s3://``
-        adapter under one of ``roots``. Without ``expected_digest`` the adapter is
-        accepted only with ``--trust-object-store`` (the digest is its trust root)."""
+        self,
+        source: str,
+        roots: Sequence[S3Location],
+        expected_digest: str | None,
+        admit: Callable[[Sequence[RemoteObject]], None] | None = None,
+    ) -> Resolved:
+        """The adapter's version directory for an ``s3://`` adapter under one of
+        ``roots``. Without ``expected_digest`` the adapter is accepted only with
+        ``--trust-object-store`` (the digest is its trust root). ``admit(objects)`` judges
+        the sizes the store gives against every limit and budget before the first GET:
+        what it refuses is never downloaded."""
+        with self._accounted():
+            return self._resolve_adapter(source, roots, expected_digest, admit)
+
+    def _resolve_adapter(
+        self,
+        source: str,
+        roots: Sequence[S3Location],
+        expected_digest: str | None,
+        admit: Callable[[Sequence[RemoteObject]], None] | None,
+    ) -> Resolved:
         location = adapter_location(source, tuple(roots))
         if expected_digest is None and not self.options.trust_object_store:
             raise RemoteTrustError(
@@ -294,8 +416,12 @@ class SourceResolver:
                 "--trust-object-store"
             )
         objects = [self.store.head(location, f) for f in ADAPTER_FILES]
-        directory, _ = self._bring(location.uri, "adapter", location, objects, None)
-        return directory, os.path.dirname(directory)
+        if admit is not None:
+            admit(objects)
+        directory, fetched, source_dir = self._bring(
+            location.uri, "adapter", location, objects, None
+        )
+        return Resolved(directory, None, fetched, source_dir)
 
     # --- the download itself ---------------------------------------------------------
 
@@ -306,18 +432,17 @@ class SourceResolver:
         location: S3Location,
         objects: list[RemoteObject],
         manifest: Manifest | None,
-    ) -> tuple[str, int]:
+        cancel: threading.Event | None = None,
+    ) -> tuple[str, int, str]:
         if not self.options.cache_dir:
             raise UsageError(f"{location.uri}: remote sources need a cache directory (--cache-dir)")
         started = time.monotonic()
-        store = self.store
-        retries_before = store.retries.total
         fetched = [0]  # what this download received, failed or not (set by _download)
         try:
-            directory, outcome = self._download(name, kind, location, objects, manifest, fetched)
+            directory, outcome, source_dir = self._download(
+                name, kind, location, objects, manifest, fetched, cancel
+            )
         except BaseException as exc:
-            if self.metrics is not None and isinstance(exc, Exception):
-                self.metrics.failures.labels(source_failure_reason(exc)).inc()
             logs.event(
                 "download",
                 logging.WARNING,
@@ -325,12 +450,9 @@ class SourceResolver:
                 source=name,
                 uri=location.uri,
                 bytes=fetched[0],
-                error=str(exc),
+                error=echo(str(exc)) if not isinstance(exc, WeightdError) else str(exc),
             )
             raise
-        finally:
-            if self.metrics is not None:
-                self.metrics.retries.inc(store.retries.total - retries_before)
         seconds = time.monotonic() - started
         if self.metrics is not None:
             self.metrics.seconds.labels(kind).observe(seconds)
@@ -346,7 +468,7 @@ class SourceResolver:
             seconds=seconds,
             directory=directory,
         )
-        return directory, fetched[0]
+        return directory, fetched[0], source_dir
 
     def _download(
         self,
@@ -356,15 +478,20 @@ class SourceResolver:
         objects: list[RemoteObject],
         manifest: Manifest | None,
         fetched: list[int],
-    ) -> tuple[str, str]:
+        cancel: threading.Event | None,
+    ) -> tuple[str, str, str]:
         settings = self.options.download
         fp = fingerprint(objects)
         endpoint = self.options.s3.endpoint
-        with SourceDir.open(self.options.cache_dir, endpoint, location) as cache:
+        with SourceDir.open(self.options.cache_dir, endpoint, location, cancel) as cache:
             warm = cache.complete(fp, objects)
             if warm is not None:
-                self._hand_out(cache.path, warm)
-                return warm, "warm"
+                return warm, "warm", cache.path
+            # The cache holds what serves and this download, nothing more (the sizing:
+            # two versions per source at most, during a reload); with nothing serving,
+            # the newest other version stays (a restart may find the store back on it).
+            keep = self._keep(cache.path)
+            cache.prune(keep, keep_newest=max(0, KEEP_VERSIONS - 1 - len(keep)))
             directory, journal = cache.partial(fp, objects, settings.part_bytes)
             already = journal.done_bytes()
             total = sum(o.size for o in objects)
@@ -378,8 +505,14 @@ class SourceResolver:
                 resumed_bytes=already,
             )
 
+            plain_md5 = {o.name for o in objects if _PLAIN_MD5.match(o.etag)}
+            hasher = TensorChecker(
+                location, manifest, journal.part_bytes, frozenset() if manifest else plain_md5
+            )
+            hashes: dict[str, FileHashes] = {}
+
             def check_file(obj: RemoteObject, path: str) -> None:
-                self._check_file(location, obj, path, manifest)
+                hashes[obj.name] = self._check_file(location, obj, path, manifest, hasher)
 
             download = Download(
                 self.store,
@@ -391,11 +524,8 @@ class SourceResolver:
                 settings,
                 check_file=check_file,
                 progress=_Progress(name, location.uri, already),
-                on_range=(
-                    TensorChecker(location, manifest, journal.part_bytes)
-                    if manifest is not None
-                    else None
-                ),
+                on_range=hasher,
+                cancel=cancel,
             )
             try:
                 download.run()
@@ -406,38 +536,62 @@ class SourceResolver:
                 fetched[0] = download.fetched
                 if self.metrics is not None:
                     self.metrics.bytes.labels(kind).inc(download.fetched)
-            with self._lock:
-                keep = list(self._handed.get(cache.path, []))
-            final = cache.publish(fp, directory, keep)
-            self._hand_out(cache.path, final)
-        return final, "resumed" if already else "downloaded"
+            final = cache.publish(fp, directory, list(self._keep(cache.path)))
+            self._seed_hash_cache(final, hashes)
+        return final, "resumed" if already else "downloaded", cache.path
 
-    def _hand_out(self, source_dir: str, directory: str) -> None:
-        with self._lock:
-            handed = [d for d in self._handed.get(source_dir, []) if d != directory]
-            self._handed[source_dir] = [*handed, directory][-MAX_HANDED:]
+    def _seed_hash_cache(self, directory: str, hashes: dict[str, FileHashes]) -> None:
+        """Record what the download's one pass hashed, so the local verification that
+        follows reads the digests instead of hashing the same bytes a second time. Keyed
+        as the hash cache keys every shard (path, inode, size, mtime, ctime): a file
+        changed after this is hashed again, as any would be."""
+        cache_dir = self.verify.hash_cache_dir
+        if cache_dir is None or self.verify.reverify:
+            return
+        root = os.path.realpath(directory)
+        entries = {}
+        for name, h in hashes.items():
+            if not name.endswith(".safetensors"):
+                continue
+            path = os.path.join(root, name)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except OSError:
+                continue
+            ranges = tuple(TensorRange(t, off, n) for t, off, n, _ in h.tensors)
+            digests = ShardDigests(st.st_size, h.sha256, {t: d for t, _, _, d in h.tensors})
+            entries[name] = CacheEntry(path, FileIdentity.of(st), ranges, digests)
+        if entries:
+            HashCache(cache_dir, root).update(entries)
 
     def _check_file(
-        self, location: S3Location, obj: RemoteObject, path: str, manifest: Manifest | None
-    ) -> None:
+        self,
+        location: S3Location,
+        obj: RemoteObject,
+        path: str,
+        manifest: Manifest | None,
+        hasher: TensorChecker,
+    ) -> FileHashes:
+        """The file's hashes from the download's one pass, compared with the manifest's
+        SHA-256 (or a plain-MD5 ETag without one) before the file is renamed in."""
         uri = location.object_uri(obj.name)
         size = os.path.getsize(path)
         if size != obj.size:
             raise ObjectTruncated(uri, f"{size} bytes on disk, the object is {obj.size}")
+        got = hasher.finish(obj, path)
         if manifest is not None:
             want = manifest.files[obj.name].sha256
-            got = _file_digest(path, "sha256")
-            if got != want:
+            if got.sha256 != want:
                 raise DigestMismatchError(
                     uri,
-                    f"sha256 is {got}, manifest {manifest.path} says {want}: the bucket does not "
-                    "hold the manifest's bytes; refused before serving (the download stopped here)",
+                    f"sha256 is {got.sha256}, manifest {manifest.path} says {want}: the bucket "
+                    "does not hold the manifest's bytes; refused before serving (the download "
+                    "stopped here)",
                 )
-            return
+            return got
         plain = _PLAIN_MD5.match(obj.etag)
-        if plain is not None:
-            got = _file_digest(path, "md5")
-            if got != plain.group(1):
-                raise DigestMismatchError(
-                    uri, f"MD5 is {got}, the object's ETag says {plain.group(1)}"
-                )
+        if plain is not None and got.md5 != plain.group(1):
+            raise DigestMismatchError(
+                uri, f"MD5 is {got.md5}, the object's ETag says {plain.group(1)}"
+            )
+        return got

@@ -27,9 +27,31 @@ EVENTS: Final = frozenset(
     | {"download"}  # remote sources (sources/resolver.py)
 )
 
+#: Characters of one log message (an error quoting a multi-MiB answer stays readable).
+MAX_MESSAGE_CHARS: Final = 8192
+_CONTROLS: Final = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)} | {
+    0x0A: "\\n",
+    0x0D: "\\r",
+    0x09: "\\t",
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+    0x85: "\\x85",
+}
+
 _EVENT_ATTR: Final = "weightd_event"
 _FIELDS_ATTR: Final = "weightd_fields"
 _OURS_ATTR: Final = "weightd_cli_handler"
+
+
+def one_line(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` as one line of at most ``limit`` characters (pure): line breaks and
+    control characters escaped, the rest cut with a note. The last line of defence:
+    strings from outside are escaped where they enter (``base.errors.echo``); this makes
+    sure no message, whatever it quotes, can forge a second log line or fill a disk."""
+    out = text.translate(_CONTROLS)
+    if len(out) > limit:
+        out = f"{out[:limit]}... ({len(out) - limit} more characters)"
+    return out
 
 
 def format_value(value: Any) -> str:
@@ -77,13 +99,26 @@ class JsonFormatter(logging.Formatter):
             out["event"] = name
             fields: dict[str, Any] = getattr(record, _FIELDS_ATTR, {})
             for key, value in fields.items():
-                out.setdefault(key, value)
-            out["msg"] = record.getMessage()
-        else:
-            out["msg"] = record.getMessage()
+                out.setdefault(key, _capped(value))
+        out["msg"] = one_line(record.getMessage())
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+def _capped(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_MESSAGE_CHARS:
+        return one_line(value)
+    return value
+
+
+class TextFormatter(logging.Formatter):
+    """The text format, every message one line (:func:`one_line`); a traceback, when a
+    record carries one (a bug, logged as such), follows on its own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = one_line(record.message)
+        return super().formatMessage(record)
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -118,7 +153,7 @@ def setup_logging(
     if json_lines:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for old in list(root.handlers):
         if getattr(old, _OURS_ATTR, False):

@@ -214,6 +214,9 @@ DOWNLOAD_BUCKETS: Final = (0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600
 _SOURCE_REASONS: Final[tuple[tuple[type[BaseException], str], ...]] = (
     (errors.ObjectNotFound, "not_found"),
     (errors.ObjectAccessDenied, "access_denied"),
+    (errors.ObjectStoreTooSlow, "too_slow"),
+    (errors.ObjectStoreProtocolError, "protocol"),
+    (errors.SourceCancelled, "cancelled"),
     (errors.ObjectStoreUnreachable, "unreachable"),
     (errors.ObjectStoreThrottled, "throttled"),
     (errors.ObjectChanged, "changed"),

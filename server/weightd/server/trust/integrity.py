@@ -11,6 +11,17 @@ on the server (DATA_LOSS) and, independently, by the client.
 
 A client may ask for BLAKE3 slice digests instead (``FetchRequest.slice_digest``):
 they are anchored the same way, per kind (``kind`` below), from the same proof.
+
+The work a client can make the daemon do is bounded by what it asks to receive: each
+``(tp_size, vocab_pad)`` pair can be a cut of its own, so anchoring every new cut by
+reading the whole tensor would let a client cycling through paddings make the daemon
+hash a 64 MiB vocabulary tensor per one-byte Fetch. A tensor larger than
+:data:`WHOLE_ANCHOR_BYTES` is therefore proven once, whole, into per-block BLAKE3
+digests (:data:`ANCHOR_BLOCK_BYTES` each; 32 bytes per MiB kept), and from then on
+each cut anchors only the slice asked for, reading and hashing just the blocks its
+runs touch, each checked against its block digest: a cut costs the slice plus at
+most two blocks per run, not the tensor. :attr:`SliceAnchors.hashed_bytes` counts
+the bytes read and hashed for anchors, so the bound is tested by counting work.
 """
 
 from __future__ import annotations
@@ -176,6 +187,77 @@ def anchor_slices(
 
 #: Anchored cuts a model keeps (each a list of its peers' digests: ~100 bytes a rank).
 MAX_ANCHOR_ENTRIES = 4096
+#: Tensors up to this size are anchored whole, every peer from one read (cheap).
+WHOLE_ANCHOR_BYTES = 4 << 20
+#: Bytes per block digest of a larger tensor.
+ANCHOR_BLOCK_BYTES = 1 << 20
+#: Runs a slice may have to be anchored from blocks (a run is a Python step); a slice
+#: of more, tiny runs is anchored whole with its peers (numpy, one read).
+MAX_BLOCK_RUNS = 1 << 16
+
+
+def block_digests(
+    store: ShardStore, tensor: TensorInfo, verified: str, block: int
+) -> tuple[bytes, ...]:
+    """BLAKE3 of each ``block``-byte block of ``tensor``, from one read proven to be the
+    ``verified`` whole-tensor digest."""
+    whole = blake3.blake3()
+    out = []
+    buf = bytearray(min(block, max(tensor.nbytes, 1)))
+    view = memoryview(buf)
+    for pos in range(0, tensor.nbytes, block):
+        n = min(block, tensor.nbytes - pos)
+        store.read_into(tensor.shard, tensor.offset + pos, view[:n])
+        whole.update(view[:n])
+        out.append(blake3.blake3(view[:n]).digest())
+    store.check(tensor.shard)
+    actual = format_digest(TENSOR_DIGEST_ALGORITHM, whole.hexdigest())
+    if actual != verified:
+        raise DataIntegrityError(
+            f"tensor {tensor.name!r} in shard {tensor.shard}: bytes on disk hash to {actual}, "
+            f"verified digest is {verified}"
+        )
+    return tuple(out)
+
+
+def anchor_from_blocks(
+    store: ShardStore,
+    tensor: TensorInfo,
+    blocks: Sequence[bytes],
+    block: int,
+    pattern: RunPattern,
+    kind: str = SLICE_DIGEST_ALGORITHM,
+) -> tuple[str, int]:
+    """``pattern``'s ``kind`` digest, reading only the blocks its runs touch, each proven
+    against its block digest. Returns the digest and the bytes read and hashed."""
+    h = slice_hasher(kind)
+    buf = bytearray(min(block, max(tensor.nbytes, 1)))
+    view = memoryview(buf)
+    current, size, work = -1, 0, 0
+    for off, length in pattern.ranges():
+        rel, n = off - tensor.offset, length
+        if rel < 0 or rel + n > tensor.nbytes:
+            raise DataIntegrityError(f"tensor {tensor.name!r}: a slice run outside the tensor")
+        while n > 0:
+            index = rel // block
+            if index != current:
+                size = min(block, tensor.nbytes - index * block)
+                store.read_into(tensor.shard, tensor.offset + index * block, view[:size])
+                work += size
+                if blake3.blake3(view[:size]).digest() != blocks[index]:
+                    raise DataIntegrityError(
+                        f"tensor {tensor.name!r} in shard {tensor.shard}: bytes "
+                        f"[{index * block}, {index * block + size}) on disk differ from the "
+                        "verified ones"
+                    )
+                current = index
+            a = rel - index * block
+            take = min(n, size - a)
+            h.update(view[a : a + take])
+            rel += take
+            n -= take
+    store.check(tensor.shard)
+    return slice_digest(h, kind), work
 
 
 class SliceAnchors:
@@ -200,22 +282,43 @@ class SliceAnchors:
         self._digests = tensor_digests
         self._lock = threading.Lock()
         self._max = max_entries
-        self._cache: OrderedDict[tuple[str, Hashable, str], Future[list[str]]] = OrderedDict()
+        self._cache: OrderedDict[tuple[Hashable, ...], Future[list[str]]] = OrderedDict()
+        #: Per-block digests of the large tensors proven so far (see the module docstring).
+        self._blocks: dict[str, Future[tuple[bytes, ...]]] = {}
+        #: Bytes read and hashed to anchor slices (the work clients made the daemon do).
+        self.hashed_bytes = 0
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._cache)
 
-    def get(
-        self,
-        tensor: TensorInfo,
-        partition: Hashable,
-        index: int,
-        patterns_for_all_ranks: Callable[[], Sequence[RunPattern]],
-        kind: str = SLICE_DIGEST_ALGORITHM,
-    ) -> str:
-        """The anchored ``kind`` digest of peer ``index`` of ``partition``'s cut of ``tensor``."""
-        key = (tensor.name, partition, kind)
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.hashed_bytes += n
+
+    def _tensor_blocks(self, tensor: TensorInfo) -> tuple[bytes, ...]:
+        """``tensor``'s block digests, proven once (concurrent askers share the read)."""
+        with self._lock:
+            future = self._blocks.get(tensor.name)
+            owner = future is None
+            if future is None:
+                future = self._blocks[tensor.name] = Future()
+        if owner:
+            try:
+                blocks = block_digests(
+                    self._store, tensor, self._digests[tensor.name], ANCHOR_BLOCK_BYTES
+                )
+            except BaseException as exc:
+                release_frames(exc)
+                with self._lock:
+                    self._blocks.pop(tensor.name, None)
+                future.set_exception(exc)
+                raise
+            self._count(tensor.nbytes)
+            future.set_result(blocks)
+        return future.result()
+
+    def _coalesced(self, key: tuple[Hashable, ...], compute: Callable[[], list[str]]) -> list[str]:
         with self._lock:
             future = self._cache.get(key)
             owner = future is None
@@ -228,15 +331,7 @@ class SliceAnchors:
                 self._cache.move_to_end(key)
         if owner:
             try:
-                future.set_result(
-                    anchor_slices(
-                        self._store,
-                        tensor,
-                        self._digests[tensor.name],
-                        patterns_for_all_ranks(),
-                        kind,
-                    )
-                )
+                future.set_result(compute())
             except BaseException as exc:
                 release_frames(exc)  # waiters share the error; its frames' buffers go now
                 with self._lock:
@@ -244,4 +339,40 @@ class SliceAnchors:
                         del self._cache[key]
                 future.set_exception(exc)
                 raise
-        return future.result()[index]
+        return future.result()
+
+    def get(
+        self,
+        tensor: TensorInfo,
+        partition: Hashable,
+        index: int,
+        patterns_for_all_ranks: Callable[[], Sequence[RunPattern]],
+        kind: str = SLICE_DIGEST_ALGORITHM,
+    ) -> str:
+        """The anchored ``kind`` digest of peer ``index`` of ``partition``'s cut of ``tensor``.
+
+        A small tensor: every peer anchored from one read of it. A large one: only peer
+        ``index``, from the blocks its runs touch (the module docstring says why).
+        """
+        if tensor.nbytes > WHOLE_ANCHOR_BYTES:
+            patterns = patterns_for_all_ranks()
+            pattern = patterns[index]
+            if pattern.count * len(pattern.segments) <= MAX_BLOCK_RUNS:
+
+                def one() -> list[str]:
+                    blocks = self._tensor_blocks(tensor)
+                    digest, work = anchor_from_blocks(
+                        self._store, tensor, blocks, ANCHOR_BLOCK_BYTES, pattern, kind
+                    )
+                    self._count(work)
+                    return [digest]
+
+                return self._coalesced((tensor.name, partition, kind, index), one)[0]
+
+        def every() -> list[str]:
+            self._count(tensor.nbytes)
+            return anchor_slices(
+                self._store, tensor, self._digests[tensor.name], patterns_for_all_ranks(), kind
+            )
+
+        return self._coalesced((tensor.name, partition, kind), every)[index]
