@@ -14,7 +14,7 @@ import grpc
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from .adapters import AdapterStatus, status_of
+from .adapter_files import AdapterStatus, status_of
 from .errors import from_rpc_error
 
 

@@ -45,6 +45,7 @@ from .transports import FetchInfo, PackRef, Transport
 if TYPE_CHECKING:
     import torch
 
+    from .adapter_files import AdapterFiles, AdapterStatus
     from .adapters import AdapterWatch, AdapterWeights
     from .receive import ProgressFn
     from .resumable import ResumeReport
@@ -239,6 +240,32 @@ class WeightClient:
             verify=verify,
             timeout=self.timeout,
             chunk_bytes=self.chunk_bytes,
+        )
+
+    def resolve_adapter(
+        self, name: str, *, model: str | None = None, load: bool = False
+    ) -> AdapterStatus:
+        """The current version of adapter ``name``; with ``load``, the daemon first loads
+        it from its adapter roots when it is not loaded and its operator allows that
+        (``--adapter-autoload``). ``model``: the base model it must apply to."""
+        from .adapter_files import resolve_adapter
+
+        return resolve_adapter(self._stub, name, model, load, self.timeout)
+
+    def fetch_adapter_files(
+        self, name: str, version: int = 0, *, max_bytes: int | None = None
+    ) -> AdapterFiles:
+        """Both files of ``version`` (0: the current one) exactly as the daemon verified
+        them, checked here against the version's digest."""
+        from .adapter_files import MAX_ADAPTER_FILES_BYTES, fetch_adapter_files
+
+        return fetch_adapter_files(
+            self._stub,
+            name,
+            version,
+            timeout=self.timeout,
+            chunk_bytes=self.chunk_bytes,
+            max_bytes=MAX_ADAPTER_FILES_BYTES if max_bytes is None else max_bytes,
         )
 
     def watch_adapters(self, timeout: float | None = None) -> AdapterWatch:

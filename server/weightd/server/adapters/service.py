@@ -9,22 +9,34 @@ the same calls, so neither transport depends on the other.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Final
 
 from ..base.cleanup import release_frames
-from ..base.errors import InvalidRequest
+from ..base.errors import (
+    AdapterBaseMismatch,
+    AdapterNotFound,
+    InvalidRequest,
+    MissingFileError,
+    ObjectNotFound,
+    echo,
+)
 from ..checkpoint.description import Checkpoint
 from ..plan.layout import Layout
 from ..registry.models import ModelRegistry
 from ..sources.location import is_remote, parse_s3_uri
 from ..sources.resolver import SourceResolver
-from .collector import AdapterMetrics
-from .load import LoadedAdapter, load_adapter
+from ..telemetry import logs
+from .autoload import AutoloadPolicy
+from .collector import AdapterMetrics, rejection_reason
+from .load import LoadedAdapter, load_adapter, open_source
 from .plan import AdapterSlicePlan, plan_adapter
-from .registry import AdapterRegistry, AdapterVersion
+from .registry import AdapterEvent, AdapterRegistry, AdapterVersion
 
 MAX_ADAPTER_NAME_BYTES: Final = 256
 
@@ -69,9 +81,16 @@ class AdapterService:
         roots: Sequence[str],
         *,
         resolver: SourceResolver | None = None,
+        autoload: AutoloadPolicy | None = None,
     ) -> None:
         self.models = models
         self.registry = registry
+        #: Loads a worker may trigger by naming an adapter (ResolveAdapter with load).
+        self.autoload = autoload or AutoloadPolicy()
+        self._lock = threading.Lock()
+        #: One load on request per name at a time; later callers wait for its outcome.
+        self._autoloading: dict[str, Future[AdapterState]] = {}
+        registry.on_event(_log_event)
         #: Local directory roots; ``s3://`` roots are kept apart (a local path can never
         #: resolve under one, nor an ``s3://`` source under a directory).
         self.roots = tuple(r for r in roots if not is_remote(r))
@@ -81,24 +100,148 @@ class AdapterService:
         self.metrics: AdapterMetrics | None = None
 
     def load(
-        self, name: str, model: str, source_dir: str, expected_digest: str
+        self, name: str, model: str, source_dir: str, expected_digest: str, *, by: str = "admin"
     ) -> AdapterState | None:
         """Verify the adapter in ``source_dir`` against ``model`` and publish it as ``name``.
 
         Returns its state now (None when a concurrent call already dropped it again).
+        ``by`` says who asked ("admin", or "worker" for a load on request), for the log.
         """
+        return self._timed_load(name, model, source_dir, expected_digest, by, None)
+
+    def _timed_load(
+        self,
+        name: str,
+        model: str,
+        source: str,
+        expected: str,
+        by: str,
+        absent: type[Exception] | None,
+    ) -> AdapterState | None:
+        """:meth:`load`; an ``absent`` error (the source is not there) is raised uncounted."""
         started = time.monotonic()
         try:
-            state = self._load(name, model, source_dir, expected_digest)
+            state = self._load(name, model, source, expected)
         except Exception as exc:
-            # The frames a failed load unwound through held what it read (up to the whole
-            # weights file); clear them so the memory returns when the call ends.
-            release_frames(exc)
-            if self.metrics is not None:
-                self.metrics.rejected(exc)
+            if absent is not None and isinstance(exc, absent):
+                release_frames(exc)
+                raise
+            self._refused(name, source, exc, by)
             raise
         if self.metrics is not None:
             self.metrics.published(time.monotonic() - started)
+        return state
+
+    def _refused(self, name: str, source: str, exc: Exception, by: str) -> None:
+        # The frames a failed load unwound through held what it read (up to the whole
+        # weights file); clear them so the memory returns when the call ends.
+        release_frames(exc)
+        if self.metrics is not None:
+            self.metrics.rejected(exc)
+        logs.event(
+            "adapter",
+            logging.WARNING,
+            action="refuse",
+            adapter=name,
+            source=source,
+            by=by,
+            reason=rejection_reason(exc),
+            error=str(exc),
+        )
+
+    # --- loads on a worker's request -------------------------------------------------
+
+    def resolve(self, name: str, model: str, load: bool) -> AdapterState:
+        """The current version of ``name``; with ``load``, loaded on request first when it
+        is not loaded and the operator allows it (:mod:`.autoload`). Concurrent calls for
+        one name share one load: the daemon reads and verifies it once."""
+        outcome = "refused"
+        try:
+            check_name(name)
+            state = self.state(name)
+            outcome = "held"
+            if state is None and load:
+                outcome = "loaded"
+                state = self._autoload_once(name, model)
+            if state is None:
+                outcome = "not_found"
+                raise AdapterNotFound(f"adapter {echo(name)} is not loaded")
+            self._check_base(state, model)
+            return state
+        except AdapterNotFound:
+            outcome = "not_found"
+            raise
+        except Exception:
+            outcome = "refused"
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.resolved(outcome)
+
+    def _check_base(self, state: AdapterState, model: str) -> None:
+        adapter = state.version.adapter
+        served = self.models.get(model).name if model else adapter.base_model
+        if served != adapter.base_model:
+            raise AdapterBaseMismatch(
+                adapter.source,
+                f"adapter {echo(state.version.name)} is loaded for model "
+                f"{adapter.base_model!r}, not {served!r}",
+            )
+
+    def _autoload_once(self, name: str, model: str) -> AdapterState | None:
+        with self._lock:
+            pending = self._autoloading.get(name)
+            owner = pending is None
+            if pending is None:
+                pending = Future()
+                self._autoloading[name] = pending
+        if not owner:
+            try:
+                return pending.result()
+            finally:
+                del pending  # its exception's traceback holds this frame (see registry.load)
+        try:
+            # A load that finished between our look and taking the slot: use it.
+            state = self.state(name) or self._autoload(name, model)
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        else:
+            pending.set_result(state)
+            return state
+        finally:
+            with self._lock:
+                del self._autoloading[name]
+            del pending
+
+    def _autoload(self, name: str, model: str) -> AdapterState:
+        """Load ``name`` from directly under the first root that has it (local roots first)."""
+        expected = self.autoload.expected_digest(name) or ""
+        absent: list[str] = []
+        if self.roots:
+            try:
+                open_source(name, self.roots).close()
+            except MissingFileError as exc:
+                absent.append(str(exc))
+            else:
+                return self._loaded(self.load(name, model, name, expected, by="worker"), name)
+        for root in self.remote_roots:
+            source = root.child(name).uri
+            try:
+                state = self._timed_load(name, model, source, expected, "worker", ObjectNotFound)
+            except ObjectNotFound as exc:
+                absent.append(str(exc))
+                continue
+            return self._loaded(state, name)
+        raise AdapterNotFound(
+            f"adapter {echo(name)} is not loaded and is under no adapter root"
+            + (f" ({'; '.join(absent)})" if absent else " (none configured)")
+        )
+
+    @staticmethod
+    def _loaded(state: AdapterState | None, name: str) -> AdapterState:
+        if state is None:  # unloaded again by an operator before we could look
+            raise AdapterNotFound(f"adapter {echo(name)} was unloaded while it was loading")
         return state
 
     def _load(
@@ -165,3 +308,18 @@ class AdapterService:
         return plan_adapter(
             v.adapter.modules, model.checkpoint, model.rules, layout.tp_size, layout.tp_rank
         )
+
+
+_ACTIONS: Final = {"load": "load", "replace": "replace", "unloaded": "unload", "evicted": "evict"}
+
+
+def _log_event(e: AdapterEvent) -> None:
+    """One line per published change (called under the registry lock: one log call)."""
+    logs.event(
+        "adapter",
+        action=_ACTIONS.get(e.reason or e.kind, e.kind),
+        adapter=e.name,
+        version=e.version,
+        digest=e.digest,
+        source=e.source,
+    )

@@ -492,6 +492,14 @@ class NoAdapters(WeightdError):
     code = Code.FAILED_PRECONDITION
 
 
+class AdapterTrustError(WeightdError):
+    """A worker asked for an adapter the operator allows to be loaded on request, but
+    nothing vouches for its bytes: no pinned ``--adapter-digest`` for it, and the operator
+    did not declare the adapter roots a trust root (``--adapter-autoload-trust-roots``)."""
+
+    code = Code.FAILED_PRECONDITION
+
+
 class AdapterBudgetExhausted(ResourceLimitError):
     """An adapter does not fit the adapter budget even after evicting every adapter that
     is neither leased nor pinned; nothing was evicted."""

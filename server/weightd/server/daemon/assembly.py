@@ -240,6 +240,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             AdapterRegistry(config.adapters.budget_bytes),
             list(config.adapters.root),
             resolver=resolver,
+            autoload=build.autoload_policy(config),
         )
         adapters = Adapters(adapter_service)
         service = WeightsService(

@@ -1,0 +1,112 @@
+"""``weightd adapter load|list|unload|watch``: the operator's side of LoRA adapters.
+
+``load``, ``list`` and ``unload`` call the admin listener (``AdminClient``), ``watch``
+the worker listener (what an engine sees). Like the other client commands, a failure
+is one line naming the daemon's reason, and no daemon at the address is said plainly.
+None of them imports torch: adapters are managed without making tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .client_commands import _add_client_tls_args, _credentials, _daemon_at
+
+
+def add_parsers(sub: Any) -> None:
+    a = sub.add_parser("adapter", help="load, list, unload or watch LoRA adapters")
+    cmds = a.add_subparsers(dest="adapter_command", required=True)
+
+    load = cmds.add_parser(
+        "load", help="load (or atomically replace) an adapter from under an adapter root"
+    )
+    load.add_argument("target", help="the admin address, e.g. unix:///run/weightd/admin.sock")
+    load.add_argument("name", help="the adapter's name (what engines ask for)")
+    load.add_argument(
+        "source", help="its directory under an --adapter-root (or an s3:// prefix under one)"
+    )
+    load.add_argument("--model", default=None, help="the base model (default: the only one)")
+    load.add_argument(
+        "--digest", default=None, metavar="sha256:HEX", help="refuse it unless it has this digest"
+    )
+
+    ls = cmds.add_parser("list", help="list the loaded adapters")
+    ls.add_argument("target", help="the admin address")
+    ls.add_argument("--json", action="store_true")
+
+    unload = cmds.add_parser("unload", help="unload an adapter (fetches in flight finish)")
+    unload.add_argument("target", help="the admin address")
+    unload.add_argument("name")
+
+    watch = cmds.add_parser(
+        "watch", help="print adapter events as the daemon publishes them (worker address)"
+    )
+    watch.add_argument("target", help="the worker address, e.g. unix:///run/weightd/weightd.sock")
+    watch.add_argument(
+        "--count", type=int, default=0, metavar="N", help="stop after N events (0: until Ctrl-C)"
+    )
+    for p in (load, ls, unload, watch):
+        p.add_argument("--timeout", type=float, default=None, help="seconds per call")
+        _add_client_tls_args(p)
+
+
+def _shown(text: str) -> str:
+    """A daemon-supplied string for a terminal line: bare when plain, else quoted."""
+    return text if text.isprintable() and " " not in text and text else json.dumps(text)
+
+
+def run_adapter(args: argparse.Namespace) -> int:
+    if args.adapter_command == "watch":
+        return _watch(args)
+    from weightd.client.admin import AdminClient
+
+    creds = _credentials(args)
+    with (
+        _daemon_at(args.target) as target,
+        AdminClient(target, timeout=args.timeout, credentials=creds) as admin,
+    ):
+        if args.adapter_command == "load":
+            s = admin.load_adapter(
+                args.name, args.source, model=args.model, expected_digest=args.digest
+            )
+            print(
+                f"loaded {_shown(s.name)} version {s.version} {s.digest} "
+                f"(model {_shown(s.base_model)}, {s.nbytes} bytes) from {_shown(s.source_dir)}"
+            )
+        elif args.adapter_command == "unload":
+            s = admin.unload_adapter(args.name)
+            print(f"unloaded {_shown(s.name)} version {s.version} {s.digest}")
+        else:
+            states = admin.list_adapters()
+            if args.json:
+                print(json.dumps([s.__dict__ for s in states], indent=2))
+            for s in [] if args.json else states:
+                held = f"{s.leases} leases" + (", pinned" if s.pinned else "")
+                print(
+                    f"{_shown(s.name)}\tversion {s.version}\t{s.digest}\t{_shown(s.base_model)}"
+                    f"\t{s.nbytes} bytes\t{held}\t{_shown(s.source_dir)}"
+                )
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from weightd.client import WeightClient
+
+    creds = _credentials(args)
+    seen = 0
+    with (
+        _daemon_at(args.target) as target,
+        WeightClient(target, credentials=creds) as client,
+        client.watch_adapters(timeout=args.timeout) as events,
+    ):
+        for e in events:
+            why = f" ({e.reason})" if e.reason else ""
+            print(f"{e.kind} {_shown(e.name)} version {e.version} {e.digest}{why}")
+            sys.stdout.flush()
+            seen += 1
+            if args.count and seen >= args.count:
+                break
+    return 0
