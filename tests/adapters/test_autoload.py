@@ -160,15 +160,18 @@ def test_concurrent_resolves_share_one_load(daemon: Daemon) -> None:
 
 
 def test_cli_load_list_unload_watch(daemon: Daemon, lora: Fixture) -> None:
+    with WeightClient(daemon.d.target, timeout=60) as c:
+        c.resolve_adapter("pinned", load=True)  # at least one adapter: the watch's first line
     watch = subprocess.Popen(
         [sys.executable, "-m", "weightd.server.cli.main", "adapter", "watch", daemon.d.target],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
-        out = daemon.cli(
-            "load", daemon.admin_target, "ops", str(lora.adapter_dir.parent / "second")
-        )
+        assert watch.stdout is not None
+        seen = [watch.stdout.readline()]  # connected: what is loaded now comes first
+        assert seen[0].startswith("load "), seen
+        out = daemon.cli("load", daemon.admin_target, "ops", str(lora.second_dir))
         # The adapter root of this daemon is not lora.root: refused, one line.
         assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
         assert "outside the adapter roots" in out.stderr
@@ -182,8 +185,6 @@ def test_cli_load_list_unload_watch(daemon: Daemon, lora: Fixture) -> None:
         assert out.returncode == 0 and out.stdout.startswith("unloaded ops version"), out.stderr
         gone = daemon.cli("unload", daemon.admin_target, "ops")
         assert gone.returncode == 1 and "no adapter named 'ops'" in gone.stderr
-        assert watch.stdout is not None
-        seen = []
         for line in watch.stdout:
             seen.append(line)
             if line.startswith("unload ops"):
