@@ -183,6 +183,7 @@ def test_cli_load_list_unload_watch(daemon: Daemon, lora: Fixture) -> None:
         assert re.search(r"^ops\tversion \d+\tsha256:", listed.stdout, re.M), listed.stdout
         out = daemon.cli("unload", daemon.admin_target, "ops")
         assert out.returncode == 0 and out.stdout.startswith("unloaded ops version"), out.stderr
+        assert daemon.cli("digest", src).stdout.strip() == digest_of(Path(src))
         gone = daemon.cli("unload", daemon.admin_target, "ops")
         assert gone.returncode == 1 and "no adapter named 'ops'" in gone.stderr
         for line in watch.stdout:

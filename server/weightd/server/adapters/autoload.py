@@ -89,15 +89,19 @@ class AutoloadPolicy:
                 return True
         return False
 
-    def expected_digest(self, name: str) -> str | None:
-        """The digest ``name`` must have (None: the roots are trusted); raise when a
-        load on request of ``name`` is not allowed or nothing vouches for it."""
+    def check_allowed(self, name: str) -> None:
+        """Raise unless a load on request of ``name`` is allowed (before any root is read)."""
         check_component(name)
         if not self.allows(name):
             raise AdapterNotFound(
                 f"adapter {echo(name)} is not loaded, and the daemon loads adapters on a "
                 "worker's request only for the names its operator allowed (--adapter-autoload)"
             )
+
+    def expected_digest(self, name: str) -> str | None:
+        """The digest ``name`` must have (None: the roots are trusted); raise when a
+        load on request of ``name`` is not allowed or nothing vouches for it."""
+        self.check_allowed(name)
         digest = self.digests.get(name)
         if digest is None and not self.trust_roots:
             raise AdapterTrustError(

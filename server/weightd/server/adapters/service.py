@@ -215,27 +215,38 @@ class AdapterService:
             del pending
 
     def _autoload(self, name: str, model: str) -> AdapterState:
-        """Load ``name`` from directly under the first root that has it (local roots first)."""
+        """Load ``name`` from directly under the first root that has it (local roots
+        first). Nothing is read for a name the operator did not allow; for an allowed
+        one, whether it exists is looked up (a directory, or one HEAD) before asking
+        what vouches for it, so an unknown name is NOT_FOUND."""
+        self.autoload.check_allowed(name)
+        source = self._find(name)
         expected = self.autoload.expected_digest(name) or ""
-        absent: list[str] = []
+        absent = ObjectNotFound if is_remote(source) else None
+        try:
+            return self._loaded(
+                self._timed_load(name, model, source, expected, "worker", absent), name
+            )
+        except ObjectNotFound as exc:  # removed from the bucket since we looked
+            raise AdapterNotFound(f"adapter {echo(name)}: {exc}") from None
+
+    def _find(self, name: str) -> str:
+        """The source of ``name`` directly under the first root that has it."""
         if self.roots:
             try:
                 open_source(name, self.roots).close()
-            except MissingFileError as exc:
-                absent.append(str(exc))
+            except MissingFileError:
+                pass
             else:
-                return self._loaded(self.load(name, model, name, expected, by="worker"), name)
+                return name
+        resolver = self.resolver
         for root in self.remote_roots:
             source = root.child(name).uri
-            try:
-                state = self._timed_load(name, model, source, expected, "worker", ObjectNotFound)
-            except ObjectNotFound as exc:
-                absent.append(str(exc))
-                continue
-            return self._loaded(state, name)
+            if resolver is not None and resolver.adapter_present(source, self.remote_roots):
+                return source
+        where = ", ".join([*self.roots, *(r.uri for r in self.remote_roots)]) or "none configured"
         raise AdapterNotFound(
-            f"adapter {echo(name)} is not loaded and is under no adapter root"
-            + (f" ({'; '.join(absent)})" if absent else " (none configured)")
+            f"adapter {echo(name)} is not loaded and is under no adapter root ({where})"
         )
 
     @staticmethod

@@ -1,8 +1,9 @@
-"""``weightd adapter load|list|unload|watch``: the operator's side of LoRA adapters.
+"""``weightd adapter load|list|unload|watch|digest``: the operator's side of LoRA adapters.
 
 ``load``, ``list`` and ``unload`` call the admin listener (``AdminClient``), ``watch``
-the worker listener (what an engine sees). Like the other client commands, a failure
-is one line naming the daemon's reason, and no daemon at the address is said plainly.
+the worker listener (what an engine sees); ``digest`` reads a local directory. Like
+the other client commands, a failure is one line naming the daemon's reason, and no
+daemon at the address is said plainly.
 None of them imports torch: adapters are managed without making tensors.
 """
 
@@ -48,6 +49,11 @@ def add_parsers(sub: Any) -> None:
     watch.add_argument(
         "--count", type=int, default=0, metavar="N", help="stop after N events (0: until Ctrl-C)"
     )
+    digest = cmds.add_parser(
+        "digest", help="print an adapter directory's digest (what --adapter-digest pins)"
+    )
+    digest.add_argument("directory")
+
     for p in (load, ls, unload, watch):
         p.add_argument("--timeout", type=float, default=None, help="seconds per call")
         _add_client_tls_args(p)
@@ -61,6 +67,9 @@ def _shown(text: str) -> str:
 def run_adapter(args: argparse.Namespace) -> int:
     if args.adapter_command == "watch":
         return _watch(args)
+    if args.adapter_command == "digest":
+        print(directory_digest(args.directory))
+        return 0
     from weightd.client.admin import AdminClient
 
     creds = _credentials(args)
@@ -90,6 +99,23 @@ def run_adapter(args: argparse.Namespace) -> int:
                     f"\t{s.nbytes} bytes\t{held}\t{_shown(s.source_dir)}"
                 )
     return 0
+
+
+def directory_digest(directory: str) -> str:
+    """The adapter digest of the two files in ``directory``, as the daemon computes it."""
+    import hashlib
+    import os
+
+    from weightd.common.digests import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, adapter_digest
+
+    def sha256(name: str) -> str:
+        h = hashlib.sha256()
+        with open(os.path.join(directory, name), "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        return h.hexdigest()
+
+    return adapter_digest(sha256(ADAPTER_CONFIG_FILE), sha256(ADAPTER_WEIGHTS_FILE))
 
 
 def _watch(args: argparse.Namespace) -> int:

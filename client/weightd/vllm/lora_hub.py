@@ -1,0 +1,288 @@
+"""The API-server side of weightd LoRA in vLLM: a name → the verified version's private copy.
+
+vLLM loads a LoRA adapter from a directory (``LoRARequest.lora_path``): every worker
+reads ``adapter_config.json`` and ``adapter_model.safetensors`` there
+(``WorkerLoRAManager._load_adapter``), at a step of the engine loop where a failure
+would stop the engine. So the weightd side does everything that can fail *before*
+vLLM sees the adapter, in the API server process, where a failure is an HTTP error:
+
+1. ``ResolveAdapter``: the daemon's current version of the name (loaded from its
+   roots on request, when its operator allows that name);
+2. ``FetchAdapterFiles``: that version's two files exactly as the daemon verified
+   them, checked here against the version's digest (the one an operator pins);
+3. the files are written, read-only, into a private directory (0700, this user's)
+   named after the version: ``<dir>/<name>@v<version>-<digest prefix>``.
+
+**Why a private copy, not tensors handed to ``LoRAModel.from_lora_tensors``:** vLLM
+has no hook for a worker to take tensors from anywhere but that path (the loader
+class is fixed in ``LoRAModelRunnerMixin.load_lora_model``), so tensors would mean
+patching vLLM's worker internals, and a daemon call inside the engine loop, where an
+unreachable daemon kills the engine instead of failing one request. The copy is made
+from bytes checked against the digest the daemon verified, in a directory only the
+engine's user can write (who can also write the engine's memory: no new trust), and
+vLLM's own code reads it, so PEFT's settings (rank, alpha, ``rank_pattern``,
+``alpha_pattern``, rsLoRA, target modules) are the daemon's verified
+``adapter_config.json``, byte for byte, not rebuilt. Cost: one write of the adapter
+per version per API server, and each worker reads the whole file (as vLLM always
+does); the daemon's per-rank slices and shared packs are not used by vLLM's LoRA.
+
+**The version is in what vLLM keys on.** ``lora_name`` is ``<name>@v<version>`` and
+``lora_path`` the version's directory: vLLM's prefix cache keys a LoRA request's
+blocks on ``(lora_name, lora_path)`` (``v1/core/kv_cache_utils.py``), so blocks of
+one version are never reused for another; and two versions of one adapter in one
+batch stay two adapters (vLLM's worker collects the batch's adapters in a set keyed
+by ``lora_name``: two versions under one name would collapse into one).
+
+Concurrent requests for one name share one daemon round trip and one preparation
+(single-flight per name, on top of the daemon's own per-name single-flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Final
+
+from weightd.client import (
+    DeadlineExceededError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+    WeightClient,
+    WeightdError,
+)
+from weightd.client.adapter_files import AdapterFiles, AdapterStatus
+from weightd.common.digests import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
+from .lora_options import ENV, LoRAOptions, parse_lora_options
+
+log = logging.getLogger("vllm.weightd.lora")
+
+_PLAIN: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
+
+
+class AdapterUnavailable(Exception):
+    """An adapter a request named cannot be served; ``status`` is the HTTP status.
+
+    404: unknown (not loaded, not loadable on request); 400: refused (tampered, digest
+    mismatch, another base model, modules PEFT would not apply, not allowed, vLLM
+    refused it); 503: the daemon is unreachable or over its adapter budget.
+    The message names the adapter and the reason.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One version's private copy, ready for vLLM."""
+
+    name: str
+    version: int
+    digest: str
+    path: str
+    prepared_seconds: float = 0.0  # fetching and writing it, 0 when it was ready
+
+    @property
+    def lora_name(self) -> str:
+        """The name vLLM keys this version on (prefix cache, the batch's adapter set)."""
+        return f"{self.name}@v{self.version}"
+
+
+def unavailable(name: str, target: str, exc: WeightdError) -> AdapterUnavailable:
+    """The HTTP status and message for a daemon's answer about adapter ``name`` (pure)."""
+    if isinstance(exc, NotFoundError):
+        return AdapterUnavailable(404, f"weightd adapter {name!r} not found: {exc.detail}")
+    if isinstance(exc, UnavailableError | DeadlineExceededError):
+        return AdapterUnavailable(
+            503, f"weightd adapter {name!r}: the daemon at {target} is unreachable: {exc.detail}"
+        )
+    if isinstance(exc, ResourceExhaustedError):
+        return AdapterUnavailable(
+            503, f"weightd adapter {name!r}: the daemon cannot hold it now: {exc.detail}"
+        )
+    return AdapterUnavailable(400, f"weightd adapter {name!r} refused: {exc.detail}")
+
+
+def _dir_name(name: str, version: int, digest: str) -> str:
+    hashed = "adapter-" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    plain = name if _PLAIN.match(name) else hashed
+    return f"{plain}@v{version}-{digest.removeprefix('sha256:')[:12]}"
+
+
+@dataclass
+class _Retired:
+    path: str
+    since: float
+
+
+@dataclass
+class LoRAHub:
+    """One per API-server process (see :func:`hub`); thread- and task-safe."""
+
+    options: LoRAOptions
+    _client: WeightClient | None = None
+    _root: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _ready: dict[tuple[str, int], Prepared] = field(default_factory=dict)
+    _latest: dict[str, Prepared] = field(default_factory=dict)
+    _retired: list[_Retired] = field(default_factory=list)
+    #: Every private copy this hub made (path -> version), retired ones included.
+    _paths: dict[str, int] = field(default_factory=dict)
+    _pending: dict[str, asyncio.Future[Prepared]] = field(default_factory=dict)
+
+    # --- the one call ------------------------------------------------------------------
+
+    async def current(self, name: str) -> Prepared:
+        """The daemon's current version of ``name``, its private copy written.
+
+        Raises :class:`AdapterUnavailable`. Callers that arrive while a call for the
+        same name is in flight get that call's answer (one daemon round trip for all).
+        """
+        pending = self._pending.get(name)
+        if pending is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(self._current, name))
+            self._pending[name] = pending
+            pending.add_done_callback(lambda _: self._pending.pop(name, None))
+        return await asyncio.shield(pending)
+
+    def _current(self, name: str) -> Prepared:
+        client = self._connect()
+        o = self.options
+        try:
+            status = client.resolve_adapter(name, model=o.model or None, load=o.load)
+            ready = self._ready.get((name, status.version))
+            if ready is not None and ready.digest == status.digest:
+                return ready
+            started = time.monotonic()
+            files = client.fetch_adapter_files(name, status.version, max_bytes=o.max_bytes)
+        except WeightdError as exc:
+            raise unavailable(name, o.target, exc) from None
+        try:
+            return self._write(files, status, time.monotonic() - started)
+        except OSError as exc:
+            raise AdapterUnavailable(
+                500, f"weightd adapter {name!r}: cannot write its private copy: {exc}"
+            ) from None
+
+    # --- the private copies ------------------------------------------------------------
+
+    def _connect(self) -> WeightClient:
+        with self._lock:
+            if self._client is None:
+                self._client = WeightClient(self.options.target, timeout=self.options.timeout)
+            return self._client
+
+    def root(self) -> str:
+        """This process's private directory (0700), made on first use, removed at exit."""
+        with self._lock:
+            if self._root is None:
+                parent = self.options.dir or None
+                if parent is not None:
+                    os.makedirs(parent, mode=0o700, exist_ok=True)
+                self._root = tempfile.mkdtemp(prefix="weightd-lora-", dir=parent)
+                atexit.register(_remove_tree, self._root)
+            return self._root
+
+    def _write(self, files: AdapterFiles, status: AdapterStatus, fetched: float) -> Prepared:
+        started = time.monotonic()
+        root = self.root()
+        final = os.path.join(root, _dir_name(status.name, status.version, status.digest))
+        if not os.path.isdir(final):
+            tmp = tempfile.mkdtemp(prefix=".partial-", dir=root)
+            _write_new(os.path.join(tmp, ADAPTER_CONFIG_FILE), files.config)
+            _write_new(os.path.join(tmp, ADAPTER_WEIGHTS_FILE), files.weights)
+            os.chmod(tmp, 0o500)
+            os.rename(tmp, final)
+        prepared = Prepared(
+            status.name, status.version, status.digest, final, fetched + time.monotonic() - started
+        )
+        with self._lock:
+            self._ready[(status.name, status.version)] = prepared
+            self._paths[final] = status.version
+            old = self._latest.get(status.name)
+            if old is None or old.version < status.version:
+                self._latest[status.name] = prepared
+                if old is not None:
+                    self._retired.append(_Retired(old.path, time.monotonic()))
+                    self._ready.pop((old.name, old.version), None)
+            expired = self._expired()
+        for path in expired:
+            _remove_tree(path)
+        log.info(
+            "weightd: adapter %r version %d (%s) verified and written to %s in %.3f s",
+            status.name,
+            status.version,
+            status.digest,
+            final,
+            prepared.prepared_seconds,
+        )
+        return prepared
+
+    def _expired(self) -> list[str]:
+        """Copies of superseded versions older than ``retain_seconds`` (under the lock).
+
+        A superseded version is kept that long because requests that started on it
+        may still need vLLM to read it again (a worker's adapter cache evicted it).
+        """
+        now = time.monotonic()
+        keep = [r for r in self._retired if now - r.since < self.options.retain_seconds]
+        gone = [r.path for r in self._retired if now - r.since >= self.options.retain_seconds]
+        self._retired = keep
+        return gone
+
+    def owns(self, path: str) -> bool:
+        """Whether ``path`` is a private copy this hub made (so its entry is weightd's)."""
+        return path in self._paths
+
+    def version_of(self, path: str) -> int:
+        return self._paths.get(path, 0)
+
+    def forget(self, name: str) -> None:
+        """``name`` is gone from the daemon: its copy is retired like a superseded one."""
+        with self._lock:
+            old = self._latest.pop(name, None)
+            if old is not None:
+                self._ready.pop((old.name, old.version), None)
+                self._retired.append(_Retired(old.path, time.monotonic()))
+
+
+def _write_new(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a private copy (its directories are read-only: made writable first)."""
+    for top, dirs, _ in os.walk(path):
+        for d in [top, *(os.path.join(top, x) for x in dirs)]:
+            with contextlib.suppress(OSError):
+                os.chmod(d, stat.S_IRWXU)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_HUB: list[LoRAHub] = []
+_HUB_LOCK = threading.Lock()
+
+
+def hub() -> LoRAHub:
+    """This process's hub, configured from ``WEIGHTD_LORA`` on first use."""
+    with _HUB_LOCK:
+        if not _HUB:
+            _HUB.append(LoRAHub(parse_lora_options(os.environ.get(ENV))))
+        return _HUB[0]
