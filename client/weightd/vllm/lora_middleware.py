@@ -26,7 +26,9 @@ Refusals are answered here, as vLLM answers errors (``{"error": {"message", "typ
 "param", "code"}}``, paths in the message masked as vLLM masks them): 404 unknown,
 400 refused (tampered, digest mismatch, another base model, ...), 503 daemon
 unreachable or over its budget. Bodies over :data:`MAX_INSPECT_BYTES` are passed to
-vLLM uninspected.
+vLLM uninspected. A name unknown to weightd is passed on to vLLM when vLLM asks
+resolvers (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) and has others (its filesystem or Hub
+resolver), so they coexist.
 
 Costs: every request's JSON body is parsed once more (vLLM parses it again), and a
 request naming a weightd adapter waits for one unary daemon call (``ResolveAdapter``,
@@ -80,9 +82,17 @@ class WeightdLoRAMiddleware:
             try:
                 await ensure(models, name)
             except AdapterUnavailable as exc:
-                await _error(send, exc)
-                return
+                if not (exc.status == 404 and _others_may_resolve()):
+                    await _error(send, exc)
+                    return
+                # Unknown to weightd: vLLM's other resolvers get their turn.
         await self.app(scope, _replay(body, more, receive), send)
+
+
+def _others_may_resolve() -> bool:
+    from .lora_resolver import others_may_resolve
+
+    return others_may_resolve()
 
 
 def _is_weightd_name(models: Any, name: str) -> bool:

@@ -14,7 +14,9 @@ switch.
 
 A refusal is raised as vLLM's ``GracefulHTTPError`` carrying the status (404 unknown,
 400 refused, 503 daemon unreachable or over budget) and a message naming the adapter
-and the daemon's reason; vLLM answers the request with it and keeps serving.
+and the daemon's reason; vLLM answers the request with it and keeps serving. An
+unknown name is left to the other resolvers when vLLM has some (its filesystem or Hub
+resolver): this one then answers None, and vLLM says the model does not exist.
 """
 
 from __future__ import annotations
@@ -39,9 +41,19 @@ class WeightdLoRAResolver(LoRAResolver):  # type: ignore[misc]
         try:
             prepared = await hub().current(lora_name)
         except AdapterUnavailable as exc:
+            if exc.status == HTTPStatus.NOT_FOUND and others_may_resolve():
+                return None
             raise WeightdLoRAError(exc.message, HTTPStatus(exc.status)) from None
         # vLLM sets lora_int_id itself (its own counter) before loading it.
         return LoRARequest(lora_name=prepared.lora_name, lora_int_id=1, lora_path=prepared.path)
+
+
+def others_may_resolve() -> bool:
+    """Whether vLLM asks resolvers (its development switch) and has others than weightd's."""
+    from vllm import envs
+
+    others = set(LoRAResolverRegistry.get_supported_resolvers()) - {RESOLVER_NAME}
+    return bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING) and bool(others)
 
 
 def register_resolver() -> None:
