@@ -52,6 +52,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final
 
 from weightd.client import (
@@ -65,6 +66,7 @@ from weightd.client import (
 from weightd.client.adapter_files import AdapterFiles, AdapterStatus
 from weightd.common.digests import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
+from .identity import compare
 from .lora_options import ENV, LoRAOptions, parse_lora_options
 
 log = logging.getLogger("vllm.weightd.lora")
@@ -144,26 +146,32 @@ class LoRAHub:
     #: Every private copy this hub made (path -> version), retired ones included.
     _paths: dict[str, int] = field(default_factory=dict)
     _pending: dict[str, asyncio.Future[Prepared]] = field(default_factory=dict)
+    #: vLLM's base model directory -> "" (it is the daemon's model) or why not.
+    _bases: dict[str, str] = field(default_factory=dict)
 
     # --- the one call ------------------------------------------------------------------
 
-    async def current(self, name: str) -> Prepared:
+    async def current(self, name: str, base_dir: str | None = None) -> Prepared:
         """The daemon's current version of ``name``, its private copy written.
 
+        ``base_dir``: vLLM's base model directory, checked once to be the daemon's model
+        (an adapter verified against another checkpoint must not be applied to it).
         Raises :class:`AdapterUnavailable`. Callers that arrive while a call for the
         same name is in flight get that call's answer (one daemon round trip for all).
         """
         pending = self._pending.get(name)
         if pending is None:
-            pending = asyncio.ensure_future(asyncio.to_thread(self._current, name))
+            pending = asyncio.ensure_future(asyncio.to_thread(self._current, name, base_dir))
             self._pending[name] = pending
             pending.add_done_callback(lambda _: self._pending.pop(name, None))
         return await asyncio.shield(pending)
 
-    def _current(self, name: str) -> Prepared:
+    def _current(self, name: str, base_dir: str | None) -> Prepared:
         client = self._connect()
         o = self.options
         try:
+            if base_dir is not None:
+                self._check_base(client, base_dir, name)
             status = client.resolve_adapter(name, model=o.model or None, load=o.load)
             ready = self._ready.get((name, status.version))
             if ready is not None and ready.digest == status.digest:
@@ -178,6 +186,28 @@ class LoRAHub:
             raise AdapterUnavailable(
                 500, f"weightd adapter {name!r}: cannot write its private copy: {exc}"
             ) from None
+
+    def _check_base(self, client: WeightClient, base_dir: str, name: str) -> None:
+        """Refuse every adapter if vLLM's base model is not the daemon's (checked once).
+
+        A base that is not a local directory (a hub id vLLM downloads) cannot be
+        compared: it is accepted, and the adapter's own check (its
+        ``base_model_name_or_path`` names the daemon's model) is what remains.
+        """
+        problem = self._bases.get(base_dir)
+        if problem is None:
+            problem = ""
+            if os.path.isdir(base_dir):
+                desc = client.describe(self.options.model or None)
+                differences = compare(Path(base_dir), desc)
+                if differences:
+                    problem = (
+                        f"the daemon's model {desc.name!r} is not vLLM's base model "
+                        f"{base_dir}: " + "; ".join(str(d) for d in differences)
+                    )
+            self._bases[base_dir] = problem
+        if problem:
+            raise AdapterUnavailable(400, f"weightd adapter {name!r} refused: {problem}")
 
     # --- the private copies ------------------------------------------------------------
 

@@ -108,7 +108,7 @@ async def ensure(models: Any, name: str) -> None:
     """Make vLLM's entry for ``name`` the daemon's current version (see the module doc)."""
     h = hub()
     try:
-        prepared = await h.current(name)
+        prepared = await h.current(name, getattr(models.model_config, "model", None))
     except AdapterUnavailable as exc:
         if exc.status == 404:
             await _drop(models, name)

@@ -39,7 +39,7 @@ class WeightdLoRAError(GracefulHTTPError):  # type: ignore[misc]  # vLLM: untype
 class WeightdLoRAResolver(LoRAResolver):  # type: ignore[misc]
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
         try:
-            prepared = await hub().current(lora_name)
+            prepared = await hub().current(lora_name, base_model_name)
         except AdapterUnavailable as exc:
             if exc.status == HTTPStatus.NOT_FOUND and others_may_resolve():
                 return None
