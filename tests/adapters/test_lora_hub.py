@@ -15,7 +15,18 @@ import pytest
 from bench.lora_adapters import digest_of
 from tests.adapters.conftest import Fixture
 from tests.conftest import RunningDaemon, run_daemon
-from weightd.vllm.lora_hub import AdapterUnavailable, LoRAHub
+from weightd.client.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnavailableError,
+    WeightdError,
+)
+from weightd.vllm.lora_hub import AdapterUnavailable, LoRAHub, unavailable
 from weightd.vllm.lora_options import LoRAOptions, LoRAOptionsError, parse_lora_options
 
 pytestmark = pytest.mark.e2e
@@ -120,3 +131,21 @@ def test_options(text: str, target: str, model: str) -> None:
 def test_bad_options(text: str) -> None:
     with pytest.raises(LoRAOptionsError):
         parse_lora_options(text)
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "start"),
+    [
+        (NotFoundError("x"), 404, "weightd adapter 'a' not found: x"),
+        (UnavailableError("x"), 503, "weightd adapter 'a': the daemon at T is unreachable: x"),
+        (DeadlineExceededError("x"), 503, "weightd adapter 'a': the daemon at T is unreachable"),
+        (ResourceExhaustedError("x"), 503, "weightd adapter 'a': the daemon cannot hold it now"),
+        (DataLossError("x"), 400, "weightd adapter 'a' refused: x"),
+        (FailedPreconditionError("x"), 400, "weightd adapter 'a' refused: x"),
+        (InvalidArgumentError("x"), 400, "weightd adapter 'a' refused: x"),
+        (PermissionDeniedError("x"), 400, "weightd adapter 'a' refused: x"),
+    ],
+)
+def test_status_table(error: WeightdError, status: int, start: str) -> None:
+    got = unavailable("a", "T", error)
+    assert got.status == status and got.message.startswith(start)
