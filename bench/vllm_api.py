@@ -64,6 +64,8 @@ class ApiServer:
                 "temperature": 0,
                 "logprobs": 1,
                 "return_token_ids": True,
+                # Without a tokenizer (--skip-tokenizer-init) logprobs name token ids.
+                "return_tokens_as_token_ids": True,
                 **extra,
             },
         )

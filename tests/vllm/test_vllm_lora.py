@@ -55,7 +55,7 @@ def tp2(world: World, vllm_python: Path) -> ApiServer:
 
 
 def generate(s: ApiServer, model: str, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
-    reply = s.complete(model, prompt, max_tokens, return_tokens_as_token_ids=True)
+    reply = s.complete(model, prompt, max_tokens)
     choice = reply["choices"][0]
     return {
         "model": reply["model"],
