@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,7 @@ def du(path: Path) -> int:
 
 @contextlib.contextmanager
 def daemon(tmp: Path, base: Path, root: Path) -> Iterator[tuple[str, str, subprocess.Popen[str]]]:
+    tmp.mkdir(exist_ok=True)
     run = tmp / "run"
     run.mkdir(mode=0o700)
     log = open(tmp / "daemon.log", "w")  # noqa: SIM115
@@ -169,8 +171,27 @@ def measure_first(
                 name = copy_as(source, where, f"{prefix}-{size}-{r}")
                 seconds = first_request(s, name)
                 warm = first_request(s, name)  # loaded now: the request's own cost
-                out.setdefault(f"{size}/{route}", []).append((seconds, warm))
-                print(f"first request {size:5} {route:10} {seconds:.3f} s (then {warm:.3f} s)")
+                parts = weightd_parts(s.log(), name) if route == "weightd" else {}
+                out.setdefault(f"{size}/{route}", []).append((seconds, warm, parts))
+                print(
+                    f"first request {size:5} {route:10} {seconds:.3f} s (then {warm:.3f} s) {parts}"
+                )
+    return out
+
+
+def weightd_parts(log: str, name: str) -> dict[str, float]:
+    """From the API server's log: fetching and writing the private copy, vLLM's add_lora."""
+    out: dict[str, float] = {}
+    for key, pattern in (
+        (
+            "fetch_write",
+            rf"adapter '{name}' version \d+ \(\S+\) verified and written .* in (\S+) s",
+        ),
+        ("add_lora", rf"adapter '{name}' version \d+ \(\S+\) serves new .* in (\S+) s"),
+    ):
+        found = re.findall(pattern, log)
+        if found:
+            out[key] = float(found[-1])
     return out
 
 
@@ -273,7 +294,7 @@ def main() -> int:
         root, fsdir = tmp / "root", tmp / "fs"
         root.mkdir()
         fsdir.mkdir()
-        with daemon(tmp, base, root) as (target, admin_target, dproc):
+        with daemon(tmp / "d1", base, root) as (target, admin_target, _):
             with api_server(
                 VLLM_PYTHON,
                 base,
@@ -295,8 +316,12 @@ def main() -> int:
                     f"(LoadAdapter p50 {percentile(loads, 0.5) * 1e3:.1f} ms)"
                 )
             result["load_mid"] = loadavg()
+        # A fresh daemon: it holds only the adapters the engines below ask for.
+        root2 = tmp / "root2"
+        root2.mkdir()
+        with daemon(tmp / "d2", base, root2) as (target, _, dproc):
             result["memory"] = measure_memory(
-                args.engines, base, target, tmp, adapters, root, fsdir, dproc.pid
+                args.engines, base, target, tmp, adapters, root2, fsdir, dproc.pid
             )
             print(json.dumps(result["memory"], indent=1))
     result["load_end"] = loadavg()

@@ -11,6 +11,7 @@ API server process use it without making tensors.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -50,8 +51,8 @@ class AdapterFiles:
     """One version's files, checked against its digest (``status.digest``)."""
 
     status: AdapterStatus
-    config: bytes  # adapter_config.json
-    weights: bytes  # adapter_model.safetensors
+    config: bytes | bytearray  # adapter_config.json
+    weights: bytes | bytearray  # adapter_model.safetensors
 
 
 def resolve_adapter(
@@ -64,6 +65,44 @@ def resolve_adapter(
         raise from_rpc_error(exc) from None
 
 
+class _Memory:
+    """Each file into one bytearray of its announced size."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytearray] = {}
+
+    def open(self, file: str, size: int) -> None:
+        self.files[file] = bytearray(size)
+
+    def write(self, file: str, offset: int, data: bytes) -> None:
+        self.files[file][offset : offset + len(data)] = data
+
+
+class _Directory:
+    """Each file written, as it arrives, into a new file (0400) in ``directory``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.fds: dict[str, int] = {}
+
+    def open(self, file: str, size: int) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fds[file] = os.open(os.path.join(self.directory, file), flags, 0o400)
+
+    def write(self, file: str, offset: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fds[file], view) :]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _request(name: str, version: int, chunk_bytes: int) -> pb.FetchAdapterFilesRequest:
+    return pb.FetchAdapterFilesRequest(name=name, version=version, max_chunk_bytes=chunk_bytes)
+
+
 def fetch_adapter_files(
     stub: Any,
     name: str,
@@ -74,18 +113,49 @@ def fetch_adapter_files(
     max_bytes: int = MAX_ADAPTER_FILES_BYTES,
 ) -> AdapterFiles:
     """Both files of ``version`` of ``name`` (0: the current one), digest-checked."""
-    request = pb.FetchAdapterFilesRequest(name=name, version=version, max_chunk_bytes=chunk_bytes)
+    sink = _Memory()
     try:
-        return _receive(name, stub.FetchAdapterFiles(request, timeout=timeout), max_bytes)
+        stream = stub.FetchAdapterFiles(_request(name, version, chunk_bytes), timeout=timeout)
+        status = _receive(name, stream, max_bytes, sink)
     except grpc.RpcError as exc:
         raise from_rpc_error(exc) from None
+    return AdapterFiles(status, sink.files[ADAPTER_CONFIG_FILE], sink.files[ADAPTER_WEIGHTS_FILE])
 
 
-def _receive(name: str, stream: Iterable[pb.AdapterFileChunk], max_bytes: int) -> AdapterFiles:
+def fetch_adapter_files_into(
+    stub: Any,
+    name: str,
+    version: int,
+    directory: str,
+    *,
+    timeout: float | None,
+    chunk_bytes: int,
+    max_bytes: int = MAX_ADAPTER_FILES_BYTES,
+) -> AdapterStatus:
+    """:func:`fetch_adapter_files`, each file written into ``directory`` as it arrives
+    (new files, 0400; nothing held in memory). Raises when the files do not give the
+    version's digest: the caller must then discard ``directory``."""
+    sink = _Directory(directory)
+    try:
+        stream = stub.FetchAdapterFiles(_request(name, version, chunk_bytes), timeout=timeout)
+        return _receive(name, stream, max_bytes, sink)
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None
+    finally:
+        sink.close()
+
+
+def _receive(
+    name: str,
+    stream: Iterable[pb.AdapterFileChunk],
+    max_bytes: int,
+    sink: _Memory | _Directory,
+) -> AdapterStatus:
+    """Both files into ``sink``, hashed as they arrive, checked against the version's digest."""
     status: AdapterStatus | None = None
-    parts: dict[str, bytearray] = {}
+    hashes: dict[str, Any] = {}
     sizes: dict[str, int] = {}
-    total = 0
+    held: dict[str, int] = {}
     for msg in stream:
         if status is None:
             if not msg.HasField("adapter"):
@@ -93,31 +163,35 @@ def _receive(name: str, stream: Iterable[pb.AdapterFileChunk], max_bytes: int) -
             status = status_of(msg.adapter)
         if msg.file not in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
             raise DataLossError(f"adapter {name!r}: the daemon sent an unknown file {msg.file!r}")
-        got = parts.setdefault(msg.file, bytearray())
-        size = sizes.setdefault(msg.file, msg.size)
-        if not got and size:
-            total += size
-            if total > max_bytes:
+        if msg.file not in sizes:
+            if sum(sizes.values()) + msg.size > max_bytes:
                 raise ResourceExhaustedError(
-                    f"adapter {name!r}: {total} bytes of files, over this client's "
-                    f"limit of {max_bytes}"
+                    f"adapter {name!r}: {sum(sizes.values()) + msg.size} bytes of files, over "
+                    f"this client's limit of {max_bytes}"
                 )
-        if msg.size != size or msg.offset != len(got) or len(got) + len(msg.data) > size:
+            sizes[msg.file], held[msg.file] = msg.size, 0
+            hashes[msg.file] = hashlib.sha256()
+            sink.open(msg.file, msg.size)
+        size, got = sizes[msg.file], held[msg.file]
+        if msg.size != size or msg.offset != got or got + len(msg.data) > size:
             raise DataLossError(
                 f"adapter {name!r}: {msg.file} arrived out of order (offset {msg.offset}, "
-                f"{len(msg.data)} bytes, size {msg.size}; held {len(got)} of {size})"
+                f"{len(msg.data)} bytes, size {msg.size}; held {got} of {size})"
             )
-        got += msg.data
+        sink.write(msg.file, got, msg.data)
+        hashes[msg.file].update(msg.data)
+        held[msg.file] = got + len(msg.data)
     if status is None:
         raise DataLossError(f"adapter {name!r}: the daemon sent nothing")
     for file in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
-        if len(parts.get(file, b"")) != sizes.get(file, -1):
+        if file not in sizes or held[file] != sizes[file]:
             raise DataLossError(f"adapter {name!r}: {file} arrived incomplete")
-    config, weights = bytes(parts[ADAPTER_CONFIG_FILE]), bytes(parts[ADAPTER_WEIGHTS_FILE])
-    digest = adapter_digest(hashlib.sha256(config).hexdigest(), hashlib.sha256(weights).hexdigest())
+    digest = adapter_digest(
+        hashes[ADAPTER_CONFIG_FILE].hexdigest(), hashes[ADAPTER_WEIGHTS_FILE].hexdigest()
+    )
     if digest != status.digest:
         raise DataLossError(
             f"adapter {name!r} version {status.version}: the files received hash to {digest}, "
             f"the daemon verified {status.digest}"
         )
-    return AdapterFiles(status, config, weights)
+    return status

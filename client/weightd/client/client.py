@@ -268,6 +268,23 @@ class WeightClient:
             max_bytes=MAX_ADAPTER_FILES_BYTES if max_bytes is None else max_bytes,
         )
 
+    def fetch_adapter_files_into(
+        self, name: str, version: int, directory: str, *, max_bytes: int | None = None
+    ) -> AdapterStatus:
+        """:meth:`fetch_adapter_files`, written into new files (0400) in ``directory`` as
+        they arrive; raises (discard ``directory`` then) unless they give the digest."""
+        from .adapter_files import MAX_ADAPTER_FILES_BYTES, fetch_adapter_files_into
+
+        return fetch_adapter_files_into(
+            self._stub,
+            name,
+            version,
+            directory,
+            timeout=self.timeout,
+            chunk_bytes=self.chunk_bytes,
+            max_bytes=MAX_ADAPTER_FILES_BYTES if max_bytes is None else max_bytes,
+        )
+
     def watch_adapters(self, timeout: float | None = None) -> AdapterWatch:
         """Adapter events: a load for each adapter loaded now, then every change in order."""
         from .adapters import AdapterWatch

@@ -9,9 +9,10 @@ vLLM sees the adapter, in the API server process, where a failure is an HTTP err
 1. ``ResolveAdapter``: the daemon's current version of the name (loaded from its
    roots on request, when its operator allows that name);
 2. ``FetchAdapterFiles``: that version's two files exactly as the daemon verified
-   them, checked here against the version's digest (the one an operator pins);
-3. the files are written, read-only, into a private directory (0700, this user's)
-   named after the version: ``<dir>/<name>@v<version>-<digest prefix>``.
+   them, written as they arrive into a new private directory (0700, this user's; files
+   0400) and hashed on the way; the directory is renamed into place, named after the
+   version (``<dir>/<name>@v<version>-<digest prefix>``), only when they give the
+   version's digest (the one an operator pins). Nothing of it stays in memory here.
 
 **Why a private copy, not tensors handed to ``LoRAModel.from_lora_tensors``:** vLLM
 has no hook for a worker to take tensors from anywhere but that path (the loader
@@ -63,8 +64,7 @@ from weightd.client import (
     WeightClient,
     WeightdError,
 )
-from weightd.client.adapter_files import AdapterFiles, AdapterStatus
-from weightd.common.digests import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from weightd.client.adapter_files import AdapterStatus
 
 from .identity import compare
 from .lora_options import ENV, LoRAOptions, parse_lora_options
@@ -176,16 +176,18 @@ class LoRAHub:
             ready = self._ready.get((name, status.version))
             if ready is not None and ready.digest == status.digest:
                 return ready
-            started = time.monotonic()
-            files = client.fetch_adapter_files(name, status.version, max_bytes=o.max_bytes)
         except WeightdError as exc:
             raise unavailable(name, o.target, exc) from None
+        started = time.monotonic()
         try:
-            return self._write(files, status, time.monotonic() - started)
+            path = self._write(client, status)
+        except WeightdError as exc:
+            raise unavailable(name, o.target, exc) from None
         except OSError as exc:
             raise AdapterUnavailable(
                 500, f"weightd adapter {name!r}: cannot write its private copy: {exc}"
             ) from None
+        return self._publish(status, path, time.monotonic() - started)
 
     def _check_base(self, client: WeightClient, base_dir: str, name: str) -> None:
         """Refuse every adapter if vLLM's base model is not the daemon's (checked once).
@@ -228,19 +230,28 @@ class LoRAHub:
                 atexit.register(_remove_tree, self._root)
             return self._root
 
-    def _write(self, files: AdapterFiles, status: AdapterStatus, fetched: float) -> Prepared:
-        started = time.monotonic()
+    def _write(self, client: WeightClient, status: AdapterStatus) -> str:
+        """The version's files, received straight into a new directory, checked against
+        its digest, then renamed into place read-only; its path."""
         root = self.root()
         final = os.path.join(root, _dir_name(status.name, status.version, status.digest))
-        if not os.path.isdir(final):
-            tmp = tempfile.mkdtemp(prefix=".partial-", dir=root)
-            _write_new(os.path.join(tmp, ADAPTER_CONFIG_FILE), files.config)
-            _write_new(os.path.join(tmp, ADAPTER_WEIGHTS_FILE), files.weights)
+        if os.path.isdir(final):
+            return final
+        tmp = tempfile.mkdtemp(prefix=".partial-", dir=root)
+        try:
+            o = self.options
+            client.fetch_adapter_files_into(status.name, status.version, tmp, max_bytes=o.max_bytes)
             os.chmod(tmp, 0o500)
             os.rename(tmp, final)
-        prepared = Prepared(
-            status.name, status.version, status.digest, final, fetched + time.monotonic() - started
-        )
+        except BaseException:
+            _remove_tree(tmp)
+            if os.path.isdir(final):  # another caller wrote the same version meanwhile
+                return final
+            raise
+        return final
+
+    def _publish(self, status: AdapterStatus, final: str, seconds: float) -> Prepared:
+        prepared = Prepared(status.name, status.version, status.digest, final, seconds)
         with self._lock:
             self._ready[(status.name, status.version)] = prepared
             self._paths[final] = status.version
@@ -289,12 +300,6 @@ class LoRAHub:
             if old is not None:
                 self._ready.pop((old.name, old.version), None)
                 self._retired.append(_Retired(old.path, time.monotonic()))
-
-
-def _write_new(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def _remove_tree(path: str) -> None:
