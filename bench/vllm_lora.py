@@ -62,8 +62,9 @@ BIG_BASE: dict[str, Any] = dict(
 PROMPT = [1, 5, 9, 200, 7]
 
 
-def pss_tree(pid: int) -> int:
-    """PSS bytes of ``pid`` and every descendant (the API server, engine core, workers)."""
+def pss_tree(pid: int, *, alone: bool = False) -> int:
+    """PSS bytes of ``pid`` and every descendant (the API server, engine core, workers);
+    ``alone``: of ``pid`` only."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -76,12 +77,17 @@ def pss_tree(pid: int) -> int:
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
-        todo += children.get(p, [])
+        todo += [] if alone else children.get(p, [])
         with contextlib.suppress(OSError), open(f"/proc/{p}/smaps_rollup") as f:
             for line in f:
                 if line.startswith("Pss:"):
                     total += int(line.split()[1]) * 1024
     return total
+
+
+def pss_split(s: ApiServer) -> tuple[int, int]:
+    """(PSS of the API server process alone, PSS of its whole tree)."""
+    return pss_tree(s.process.pid, alone=True), pss_tree(s.process.pid)
 
 
 def du(path: Path) -> int:
@@ -246,27 +252,73 @@ def measure_memory(
                     )
                 )
             )
-        before = [pss_tree(s.process.pid) for s in servers]
-        for s in servers:
-            for name in names.values():
-                s.complete(name, PROMPT, 1)
-        after_weightd = [pss_tree(s.process.pid) for s in servers]
-        for s in servers:
-            for name in fs_names.values():
-                s.complete(name, PROMPT, 1)
-        after_fs = [pss_tree(s.process.pid) for s in servers]
-        for i, _ in enumerate(servers):
-            rows["per_engine"].append(
-                {
-                    "pss_before": before[i],
-                    "pss_after_weightd": after_weightd[i],
-                    "pss_after_filesystem": after_fs[i],
-                    "private_copies_bytes": du(tmp / f"copies-mem-{i}"),
-                }
-            )
+        routes = {"weightd": list(names.values()), "filesystem": list(fs_names.values())}
+        for i, s in enumerate(servers):
+            # Alternate which route loads first: the first load into an engine also pays
+            # its allocator's high-water mark, which the second then reuses.
+            order = ["weightd", "filesystem"] if i % 2 == 0 else ["filesystem", "weightd"]
+            row: dict[str, Any] = {"order": order, "steps": [("before", *pss_split(s))]}
+            for route in order:
+                for name in routes[route]:
+                    s.complete(name, PROMPT, 1)
+                row["steps"].append((f"after {route}", *pss_split(s)))
+            row["private_copies_bytes"] = du(tmp / f"copies-mem-{i}")
+            rows["per_engine"].append(row)
         rows["daemon_pss"] = pss_tree(daemon_pid)
         rows["adapter_bytes"] = sum(du(p) for p in adapters.values())
     return rows
+
+
+def run_latency(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    tmp: Path,
+    base: Path,
+    adapters: dict[str, Path],
+    second: Path,
+) -> None:
+    """Parts 1 and 2: first requests, alternating routes, then hot-swaps."""
+    root, fsdir = tmp / "root", tmp / "fs"
+    root.mkdir()
+    with (
+        daemon(tmp / "d1", base, root) as (target, admin_target, _),
+        api_server(
+            VLLM_PYTHON,
+            base,
+            server_args(4),
+            tmp / "server.log",
+            server_env(target, tmp / "copies", fsdir),
+        ) as s,
+    ):
+        result["first"] = measure_first(s, adapters, root, fsdir, args.rounds)
+        sources = (adapters["small"], second)
+        pair = [root / copy_as(src, root, f"hs-{i}") for i, src in enumerate(sources)]
+        total, loads = measure_swaps(s, admin_target, pair, args.swaps)
+        result["swap_seconds"], result["swap_load_seconds"] = total, loads
+        p50, p99 = percentile(total, 0.5) * 1e3, percentile(total, 0.99) * 1e3
+        print(
+            f"hot-swap publish -> first response on it, {len(total)} swaps: "
+            f"p50 {p50:.1f} ms, p99 {p99:.1f} ms "
+            f"(LoadAdapter p50 {percentile(loads, 0.5) * 1e3:.1f} ms)"
+        )
+    result["load_mid"] = loadavg()
+
+
+def run_memory(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    tmp: Path,
+    base: Path,
+    adapters: dict[str, Path],
+) -> None:
+    """Part 3, with a fresh daemon: it holds only the adapters these engines ask for."""
+    root2, fsdir = tmp / "root2", tmp / "fs"
+    root2.mkdir()
+    with daemon(tmp / "d2", base, root2) as (target, _, dproc):
+        result["memory"] = measure_memory(
+            args.engines, base, target, tmp, adapters, root2, fsdir, dproc.pid
+        )
+        print(json.dumps(result["memory"], indent=1))
 
 
 def main() -> int:
@@ -275,6 +327,7 @@ def main() -> int:
     p.add_argument("--swaps", type=int, default=50)
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--only", choices=("all", "latency", "memory"), default="all")
     args = p.parse_args()
     result: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     result["load_start"] = loadavg()
@@ -291,39 +344,11 @@ def main() -> int:
         print(f"adapters: {sizes} bytes; load {loadavg()}")
         assert sizes["large"] >= 100e6, sizes
         result["adapter_bytes"] = sizes
-        root, fsdir = tmp / "root", tmp / "fs"
-        root.mkdir()
-        fsdir.mkdir()
-        with daemon(tmp / "d1", base, root) as (target, admin_target, _):
-            with api_server(
-                VLLM_PYTHON,
-                base,
-                server_args(4),
-                tmp / "server.log",
-                server_env(target, tmp / "copies", fsdir),
-            ) as s:
-                result["first"] = measure_first(s, adapters, root, fsdir, args.rounds)
-                pair = [
-                    root / copy_as(src, root, f"hs-{i}")
-                    for i, src in enumerate((adapters["small"], second))
-                ]
-                total, loads = measure_swaps(s, admin_target, pair, args.swaps)
-                result["swap_seconds"], result["swap_load_seconds"] = total, loads
-                p50, p99 = percentile(total, 0.5) * 1e3, percentile(total, 0.99) * 1e3
-                print(
-                    f"hot-swap publish -> first response on it, {len(total)} swaps: "
-                    f"p50 {p50:.1f} ms, p99 {p99:.1f} ms "
-                    f"(LoadAdapter p50 {percentile(loads, 0.5) * 1e3:.1f} ms)"
-                )
-            result["load_mid"] = loadavg()
-        # A fresh daemon: it holds only the adapters the engines below ask for.
-        root2 = tmp / "root2"
-        root2.mkdir()
-        with daemon(tmp / "d2", base, root2) as (target, _, dproc):
-            result["memory"] = measure_memory(
-                args.engines, base, target, tmp, adapters, root2, fsdir, dproc.pid
-            )
-            print(json.dumps(result["memory"], indent=1))
+        (tmp / "fs").mkdir()
+        if args.only in ("all", "latency"):
+            run_latency(args, result, tmp, base, adapters, second)
+        if args.only in ("all", "memory"):
+            run_memory(args, result, tmp, base, adapters)
     result["load_end"] = loadavg()
     result["ended"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     if args.json:
