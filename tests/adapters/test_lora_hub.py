@@ -149,3 +149,24 @@ def test_bad_options(text: str) -> None:
 def test_status_table(error: WeightdError, status: int, start: str) -> None:
     got = unavailable("a", "T", error)
     assert got.status == status and got.message.startswith(start)
+
+
+def test_a_superseded_copy_goes_after_retain_seconds(
+    daemon: RunningDaemon, lora: Fixture, tmp_path: Path
+) -> None:
+    from weightd.client.admin import AdminClient
+
+    hub = LoRAHub(
+        LoRAOptions(target=daemon.target, dir=str(tmp_path / "c"), retain_seconds=0, timeout=60)
+    )
+    admin = AdminClient(f"unix://{daemon.log_path.parent / 'run' / 'admin.sock'}", timeout=60)
+    admin.load_adapter("retire", str(lora.adapter_dir))
+    old = asyncio.run(hub.current("retire"))
+    admin.load_adapter("retire", str(lora.second_dir))  # a new version
+    new = asyncio.run(hub.current("retire"))
+    assert new.version > old.version and new.path != old.path
+    assert not os.path.exists(old.path) and os.path.isdir(new.path)
+    assert hub.owns(new.path) and not hub.owns(old.path)
+    admin.unload_adapter("retire")
+    with pytest.raises(AdapterUnavailable, match="not found"):
+        asyncio.run(hub.current("retire"))

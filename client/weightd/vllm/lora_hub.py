@@ -284,6 +284,8 @@ class LoRAHub:
         keep = [r for r in self._retired if now - r.since < self.options.retain_seconds]
         gone = [r.path for r in self._retired if now - r.since >= self.options.retain_seconds]
         self._retired = keep
+        for path in gone:
+            self._paths.pop(path, None)
         return gone
 
     def owns(self, path: str) -> bool:

@@ -157,6 +157,10 @@ async def _install(models: Any, prepared: Prepared, held: Any) -> None:
 
 
 async def _drop(models: Any, name: str) -> None:
+    if name not in models.lora_requests:
+        # Never ours: no lock is made for it (vLLM's lock table would grow with every
+        # unknown name a client sends).
+        return
     async with models.lora_resolver_lock[name]:
         held = models.lora_requests.get(name)
         if held is not None and hub().owns(held.lora_path):
