@@ -195,3 +195,71 @@ def test_cli_load_list_unload_watch(daemon: Daemon, lora: Fixture) -> None:
     finally:
         watch.terminate()
         watch.wait(30)
+
+
+def big_adapter(template: Path, out: Path, r: int) -> Path:
+    """A valid adapter with ``template``'s modules at rank ``r`` (tens of MB: its load
+    takes long enough for concurrent requests to overlap it)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    config = json.loads((template / "adapter_config.json").read_text())
+    config.update(r=r, lora_alpha=2 * r, rank_pattern={}, alpha_pattern={})
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    tensors = {}
+    for name, t in load_file(str(template / "adapter_model.safetensors")).items():
+        shape = (r, t.shape[1]) if ".lora_A." in name else (t.shape[0], r)
+        tensors[name] = torch.randn(shape)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out
+
+
+def test_loads_on_request_hold_few_server_threads(
+    lora: Fixture, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """With --max-workers 4 one load on request runs at a time: a second one meanwhile
+    is told to ask again (UNAVAILABLE) at once, never parked on a server thread; the
+    vLLM side asks again and gets it."""
+    import asyncio
+
+    from weightd.client.errors import UnavailableError
+    from weightd.vllm.lora_hub import LoRAHub
+    from weightd.vllm.lora_options import LoRAOptions
+
+    tmp = tmp_path_factory.mktemp("slots")
+    root = tmp / "roots"
+    root.mkdir()
+    for name in ("big1", "big2", "big3", "big4"):
+        big_adapter(lora.second_dir, root / name, 4096)
+    extra = [
+        *("--adapter-root", str(root), "--max-workers", "4"),
+        *("--adapter-autoload", "big*", "--adapter-autoload-trust-roots"),
+    ]
+    with run_daemon(tmp, [("tiny-llama", lora.base_dir)], extra) as d:
+        outcomes: dict[str, object] = {}
+
+        def ask(name: str) -> None:
+            with WeightClient(d.target, timeout=120) as c:
+                try:
+                    outcomes[name] = c.resolve_adapter(name, load=True).version
+                except UnavailableError as exc:
+                    outcomes[name] = exc
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in ("big1", "big2")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        refused = [v for v in outcomes.values() if isinstance(v, UnavailableError)]
+        assert len(outcomes) == 2 and len(refused) == 1, outcomes
+        assert "ask again shortly" in refused[0].detail
+        hub = LoRAHub(LoRAOptions(target=d.target, dir=str(tmp / "copies"), timeout=120))
+
+        async def both() -> list[int]:
+            got = await asyncio.gather(hub.current("big3"), hub.current("big4"))
+            return [p.version for p in got]
+
+        assert len(set(asyncio.run(both()))) == 2  # one of them asked again, and got it

@@ -65,6 +65,7 @@ from weightd.client import (
     WeightdError,
 )
 from weightd.client.adapter_files import AdapterStatus
+from weightd.common.again import asks_again
 
 from .identity import compare
 from .lora_options import ENV, LoRAOptions, parse_lora_options
@@ -109,6 +110,10 @@ def unavailable(name: str, target: str, exc: WeightdError) -> AdapterUnavailable
     """The HTTP status and message for a daemon's answer about adapter ``name`` (pure)."""
     if isinstance(exc, NotFoundError):
         return AdapterUnavailable(404, f"weightd adapter {name!r} not found: {exc.detail}")
+    if isinstance(exc, UnavailableError) and asks_again(exc.detail):
+        return AdapterUnavailable(
+            503, f"weightd adapter {name!r}: the daemon is still loading it: {exc.detail}"
+        )
     if isinstance(exc, UnavailableError | DeadlineExceededError):
         return AdapterUnavailable(
             503, f"weightd adapter {name!r}: the daemon at {target} is unreachable: {exc.detail}"
@@ -172,7 +177,7 @@ class LoRAHub:
         try:
             if base_dir is not None:
                 self._check_base(client, base_dir, name)
-            status = client.resolve_adapter(name, model=o.model or None, load=o.load)
+            status = self._resolve(client, name)
             ready = self._ready.get((name, status.version))
             if ready is not None and ready.digest == status.digest:
                 return ready
@@ -188,6 +193,22 @@ class LoRAHub:
                 500, f"weightd adapter {name!r}: cannot write its private copy: {exc}"
             ) from None
         return self._publish(status, path, time.monotonic() - started)
+
+    def _resolve(self, client: WeightClient, name: str) -> AdapterStatus:
+        """ResolveAdapter, asked again (with backoff, within ``timeout``) while the daemon
+        says a load on request is in progress: it never keeps a caller waiting on one of
+        its threads for long."""
+        o = self.options
+        deadline = time.monotonic() + o.timeout
+        wait = 0.02
+        while True:
+            try:
+                return client.resolve_adapter(name, model=o.model or None, load=o.load)
+            except UnavailableError as exc:
+                if not asks_again(exc.detail) or time.monotonic() + wait > deadline:
+                    raise
+            time.sleep(wait)
+            wait = min(wait * 2, 0.5)
 
     def _check_base(self, client: WeightClient, base_dir: str, name: str) -> None:
         """Refuse every adapter if vLLM's base model is not the daemon's (checked once).

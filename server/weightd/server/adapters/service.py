@@ -14,12 +14,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Final
+
+from weightd.common.again import ASK_AGAIN
 
 from ..base.cleanup import release_frames
 from ..base.errors import (
     AdapterBaseMismatch,
+    AdapterLoadPending,
     AdapterNotFound,
     InvalidRequest,
     MissingFileError,
@@ -39,6 +43,8 @@ from .plan import AdapterSlicePlan, plan_adapter
 from .registry import AdapterEvent, AdapterRegistry, AdapterVersion
 
 MAX_ADAPTER_NAME_BYTES: Final = 256
+#: Longest a ResolveAdapter waits on a server thread for another call's load.
+AUTOLOAD_WAIT_SECONDS: Final = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,7 @@ class AdapterService:
         *,
         resolver: SourceResolver | None = None,
         autoload: AutoloadPolicy | None = None,
+        autoload_slots: int = 4,
     ) -> None:
         self.models = models
         self.registry = registry
@@ -90,6 +97,11 @@ class AdapterService:
         self._lock = threading.Lock()
         #: One load on request per name at a time; later callers wait for its outcome.
         self._autoloading: dict[str, Future[AdapterState]] = {}
+        #: Server threads a load on request may hold: as many loading, as many waiting.
+        #: Each holds one of the worker listener's threads, so they are bounded (and a
+        #: waiter waits at most AUTOLOAD_WAIT_SECONDS): health and fetches keep theirs.
+        self._loaders = threading.BoundedSemaphore(autoload_slots)
+        self._waiters = threading.BoundedSemaphore(autoload_slots)
         registry.on_event(_log_event)
         #: Local directory roots; ``s3://`` roots are kept apart (a local path can never
         #: resolve under one, nor an ``s3://`` source under a directory).
@@ -193,11 +205,16 @@ class AdapterService:
             pending = self._autoloading.get(name)
             owner = pending is None
             if pending is None:
+                if not self._loaders.acquire(blocking=False):
+                    raise AdapterLoadPending(
+                        f"adapter {echo(name)}: the daemon is loading as many adapters on "
+                        f"request as it may at once; {ASK_AGAIN}"
+                    )
                 pending = Future()
                 self._autoloading[name] = pending
         if not owner:
             try:
-                return pending.result()
+                return self._wait(name, pending)
             finally:
                 del pending  # its exception's traceback holds this frame (see registry.load)
         try:
@@ -212,7 +229,22 @@ class AdapterService:
         finally:
             with self._lock:
                 del self._autoloading[name]
+            self._loaders.release()
             del pending
+
+    def _wait(self, name: str, pending: Future[AdapterState]) -> AdapterState:
+        """Another call's load of ``name``, waited for a bounded time on a bounded number
+        of threads; past either the caller asks again."""
+        if not self._waiters.acquire(blocking=False):
+            raise AdapterLoadPending(f"adapter {echo(name)} is being loaded; {ASK_AGAIN}")
+        try:
+            return pending.result(timeout=AUTOLOAD_WAIT_SECONDS)
+        except FutureTimeout:
+            raise AdapterLoadPending(
+                f"adapter {echo(name)} is still being loaded; {ASK_AGAIN}"
+            ) from None
+        finally:
+            self._waiters.release()
 
     def _autoload(self, name: str, model: str) -> AdapterState:
         """Load ``name`` from directly under the first root that has it (local roots

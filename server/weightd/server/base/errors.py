@@ -492,6 +492,13 @@ class NoAdapters(WeightdError):
     code = Code.FAILED_PRECONDITION
 
 
+class AdapterLoadPending(WeightdError):
+    """A load on request is in progress (another caller's, or too many at once): this
+    caller is not kept waiting on a server thread; it asks again."""
+
+    code = Code.UNAVAILABLE
+
+
 class AdapterTrustError(WeightdError):
     """A worker asked for an adapter the operator allows to be loaded on request, but
     nothing vouches for its bytes: no pinned ``--adapter-digest`` for it, and the operator
