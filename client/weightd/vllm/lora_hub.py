@@ -146,10 +146,12 @@ class LoRAHub:
     _root: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _ready: dict[tuple[str, int], Prepared] = field(default_factory=dict)
-    _latest: dict[str, Prepared] = field(default_factory=dict)
     _retired: list[_Retired] = field(default_factory=list)
-    #: Every private copy this hub made (path -> version), retired ones included.
+    #: Every private copy this hub made (path -> when, in this hub's order of
+    #: preparation), retired ones included. Not the daemon's version numbers: a
+    #: restarted daemon numbers its versions from 1 again.
     _paths: dict[str, int] = field(default_factory=dict)
+    _seq: int = 0
     _pending: dict[str, asyncio.Future[Prepared]] = field(default_factory=dict)
     #: vLLM's base model directory -> "" (it is the daemon's model) or why not.
     _bases: dict[str, str] = field(default_factory=dict)
@@ -275,16 +277,11 @@ class LoRAHub:
         prepared = Prepared(status.name, status.version, status.digest, final, seconds)
         with self._lock:
             self._ready[(status.name, status.version)] = prepared
-            self._paths[final] = status.version
-            old = self._latest.get(status.name)
-            if old is None or old.version < status.version:
-                self._latest[status.name] = prepared
-                if old is not None:
-                    self._retired.append(_Retired(old.path, time.monotonic()))
-                    self._ready.pop((old.name, old.version), None)
+            self._seq += 1
+            self._paths[final] = self._seq
             expired = self._expired()
-        for path in expired:
-            _remove_tree(path)
+        for gone in expired:
+            _remove_tree(gone)
         log.info(
             "weightd: adapter %r version %d (%s) verified and written to %s in %.3f s",
             status.name,
@@ -313,16 +310,25 @@ class LoRAHub:
         """Whether ``path`` is a private copy this hub made (so its entry is weightd's)."""
         return path in self._paths
 
-    def version_of(self, path: str) -> int:
-        return self._paths.get(path, 0)
+    def newer(self, path: str, than: str) -> bool:
+        """Whether the copy at ``path`` was prepared after the one at ``than``."""
+        return self._paths.get(path, 0) > self._paths.get(than, 0)
 
-    def forget(self, name: str) -> None:
-        """``name`` is gone from the daemon: its copy is retired like a superseded one."""
+    def retire(self, path: str) -> None:
+        """vLLM no longer gives new requests the copy at ``path`` (a newer version took
+        its place, or the adapter is gone): it is removed ``retain_seconds`` from now,
+        since requests that started on it may need vLLM to read it again meanwhile.
+        Copies vLLM still serves are never retired, so never removed."""
         with self._lock:
-            old = self._latest.pop(name, None)
-            if old is not None:
-                self._ready.pop((old.name, old.version), None)
-                self._retired.append(_Retired(old.path, time.monotonic()))
+            if path not in self._paths:
+                return
+            self._retired.append(_Retired(path, time.monotonic()))
+            for key, ready in list(self._ready.items()):
+                if ready.path == path:
+                    del self._ready[key]
+            expired = self._expired()
+        for gone in expired:
+            _remove_tree(gone)
 
 
 def _remove_tree(path: str) -> None:

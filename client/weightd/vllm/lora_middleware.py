@@ -121,7 +121,7 @@ async def ensure(models: Any, name: str) -> None:
         if held is not None and (
             held.lora_path == prepared.path
             or not h.owns(held.lora_path)
-            or h.version_of(held.lora_path) > prepared.version  # a newer one won the race
+            or h.newer(held.lora_path, prepared.path)  # a newer one won the race
         ):
             return
         await _install(models, prepared, held)
@@ -145,6 +145,8 @@ async def _install(models: Any, prepared: Prepared, held: Any) -> None:
             f"load it: {exc}",
         ) from None
     models.lora_requests[prepared.name] = request
+    if held is not None:
+        hub().retire(held.lora_path)
     log.info(
         "weightd: adapter %r version %d (%s) serves new requests (was: %s); vLLM loaded it "
         "in %.3f s",
@@ -165,7 +167,7 @@ async def _drop(models: Any, name: str) -> None:
         held = models.lora_requests.get(name)
         if held is not None and hub().owns(held.lora_path):
             del models.lora_requests[name]
-            hub().forget(name)
+            hub().retire(held.lora_path)
             log.info("weightd: adapter %r gone from the daemon: %s dropped", name, held.lora_name)
 
 

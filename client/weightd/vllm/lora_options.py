@@ -10,8 +10,8 @@ daemon's default socket) or a JSON object with the keys (all optional):
   daemon decides, by its ``--adapter-autoload`` list, whether it may);
 * ``dir``: where the private copies of verified adapters are written (default: a
   fresh 0700 directory under ``$TMPDIR``, removed at exit);
-* ``retain_seconds``: how long a superseded version's copy stays for requests still
-  using it (default 3600);
+* ``retain_seconds``: how long a version's copy stays, once vLLM gives new requests
+  another one, for requests still using it (default 3600);
 * ``timeout``: seconds per daemon call (default 60; a load from object storage
   counts in it);
 * ``max_bytes``: the largest adapter (both files) accepted (default 4 GiB).
