@@ -23,9 +23,11 @@ def register() -> None:
 def _register_lora() -> None:
     import os
 
-    from .lora_options import ENV
+    from .lora_options import ENV, parse_lora_options
 
     if ENV in os.environ:
+        # Read now: a mistake in it stops vLLM's start with one line, not each request.
+        parse_lora_options(os.environ[ENV])
         from .lora_resolver import register_resolver
 
         register_resolver()
