@@ -16,11 +16,22 @@ import torch
 
 from weightd.v1 import weightd_pb2 as pb
 
+from .adapter_files import AdapterStatus, status_of
 from .errors import DataLossError, InvalidArgumentError, from_rpc_error
 from .fetchwire import WireResponse
 from .layout import Layout
 from .receive import receive_all
 from .transports import FetchInfo, Transport
+
+__all__ = [
+    "AdapterEvent",
+    "AdapterStatus",
+    "AdapterWatch",
+    "AdapterWeights",
+    "fetch_adapter",
+    "fetch_adapter_via",
+    "status_of",
+]
 
 _KINDS: Final = {
     pb.AdapterEvent.LOAD: "load",
@@ -55,24 +66,6 @@ class AdapterEvent:
     version: int
     digest: str
     reason: str = ""
-
-
-@dataclass(frozen=True)
-class AdapterStatus:
-    name: str
-    version: int
-    digest: str
-    base_model: str
-    nbytes: int
-    pinned: bool
-    leases: int
-    source_dir: str
-
-
-def status_of(s: pb.AdapterStatus) -> AdapterStatus:
-    return AdapterStatus(
-        s.name, s.version, s.digest, s.base_model, s.nbytes, s.pinned, s.leases, s.source_dir
-    )
 
 
 def fetch_adapter(

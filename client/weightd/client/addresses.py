@@ -83,10 +83,15 @@ def missing_socket(target: str) -> DaemonUnreachable | None:
     path = unix_path(target)
     if path is None or os.path.exists(path):
         return None
+    if os.path.basename(path) == "admin.sock":  # the admin socket sits beside the worker's
+        hint = "pass the admin address its 'listening listener=admin' line names"
+    else:
+        hint = (
+            f"start one with --listen {path}, or pass the address its 'listening' line "
+            f"names; the default is unix://{default_socket_path()}"
+        )
     return DaemonUnreachable(
-        f"no daemon at {target}: {path} does not exist (is `weightd serve` running? start "
-        f"one with --listen {path}, or pass the address its 'listening' line names; the "
-        f"default is unix://{default_socket_path()})",
+        f"no daemon at {target}: {path} does not exist (is `weightd serve` running? {hint})",
         reason="DaemonUnreachable",
     )
 

@@ -15,7 +15,7 @@ from weightd.common.sockets import default_admin_path
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from .adapters import AdapterStatus, status_of
+from .adapter_files import AdapterStatus, status_of
 from .addresses import connect_target, from_call
 
 

@@ -46,6 +46,7 @@ from .transports import FetchInfo, PackRef, Transport
 if TYPE_CHECKING:
     import torch
 
+    from .adapter_files import AdapterFiles, AdapterStatus
     from .adapters import AdapterWatch, AdapterWeights
     from .receive import ProgressFn
     from .resumable import ResumeReport
@@ -251,6 +252,49 @@ class WeightClient:
                 timeout=self.timeout,
                 chunk_bytes=self.chunk_bytes,
             )
+
+    def resolve_adapter(
+        self, name: str, *, model: str | None = None, load: bool = False
+    ) -> AdapterStatus:
+        """The current version of adapter ``name``; with ``load``, the daemon first loads
+        it from its adapter roots when it is not loaded and its operator allows that
+        (``--adapter-autoload``). ``model``: the base model it must apply to."""
+        from .adapter_files import resolve_adapter
+
+        return resolve_adapter(self._stub, name, model, load, self.timeout)
+
+    def fetch_adapter_files(
+        self, name: str, version: int = 0, *, max_bytes: int | None = None
+    ) -> AdapterFiles:
+        """Both files of ``version`` (0: the current one) exactly as the daemon verified
+        them, checked here against the version's digest."""
+        from .adapter_files import MAX_ADAPTER_FILES_BYTES, fetch_adapter_files
+
+        return fetch_adapter_files(
+            self._stub,
+            name,
+            version,
+            timeout=self.timeout,
+            chunk_bytes=self.chunk_bytes,
+            max_bytes=MAX_ADAPTER_FILES_BYTES if max_bytes is None else max_bytes,
+        )
+
+    def fetch_adapter_files_into(
+        self, name: str, version: int, directory: str, *, max_bytes: int | None = None
+    ) -> AdapterStatus:
+        """:meth:`fetch_adapter_files`, written into new files (0400) in ``directory`` as
+        they arrive; raises (discard ``directory`` then) unless they give the digest."""
+        from .adapter_files import MAX_ADAPTER_FILES_BYTES, fetch_adapter_files_into
+
+        return fetch_adapter_files_into(
+            self._stub,
+            name,
+            version,
+            directory,
+            timeout=self.timeout,
+            chunk_bytes=self.chunk_bytes,
+            max_bytes=MAX_ADAPTER_FILES_BYTES if max_bytes is None else max_bytes,
+        )
 
     def watch_adapters(self, timeout: float | None = None) -> AdapterWatch:
         """Adapter events: a load for each adapter loaded now, then every change in order."""

@@ -17,6 +17,7 @@ tensor.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Final, Protocol
 
 SLICE_DIGEST_ALGORITHM: Final = "sha256"
@@ -53,3 +54,20 @@ def slice_kind(requested: str) -> str:
 
 def slice_digest(hasher: Hasher, algorithm: str = SLICE_DIGEST_ALGORITHM) -> str:
     return format_digest(algorithm, hasher.hexdigest())
+
+
+#: The two files of a PEFT LoRA adapter weightd serves, in digest order.
+ADAPTER_CONFIG_FILE: Final = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE: Final = "adapter_model.safetensors"
+
+
+def adapter_digest(config_sha256: str, weights_sha256: str) -> str:
+    """An adapter's one digest, which an operator can pin: SHA-256 of both files' SHA-256s.
+
+    Covers the config too, since ``lora_alpha`` changes the output as much as a weight.
+    Reproducible with ``sha256sum``: the hashed text is
+    ``"adapter_config.json <hex>\\nadapter_model.safetensors <hex>\\n"``. The daemon
+    computes it at load; a client that received both files computes it again.
+    """
+    text = f"{ADAPTER_CONFIG_FILE} {config_sha256}\n{ADAPTER_WEIGHTS_FILE} {weights_sha256}\n"
+    return format_digest("sha256", hashlib.sha256(text.encode()).hexdigest())

@@ -24,6 +24,101 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ResolveAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """the adapter's name; to be loaded on request: one path component"""
+    model: _builtins.str
+    """the base model it must apply to; empty: the daemon's only model"""
+    load: _builtins.bool
+    """load it from the adapter roots when it is not loaded (if allowed)"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        model: _builtins.str = ...,
+        load: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "model", b"model", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResolveAdapterRequest: _TypeAlias = ResolveAdapterRequest  # noqa: Y015
+
+@_typing.final
+class FetchAdapterFilesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    version: _builtins.int
+    """0: the current version; else that version, while held"""
+    max_chunk_bytes: _builtins.int
+    """as in FetchRequest"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.int = ...,
+        max_chunk_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_chunk_bytes", b"max_chunk_bytes", "name", b"name", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchAdapterFilesRequest: _TypeAlias = FetchAdapterFilesRequest  # noqa: Y015
+
+@_typing.final
+class AdapterFileChunk(_message.Message):
+    """A piece of one of an adapter version's files. The first message carries `adapter`
+    (the version and its digest); each file's pieces come in order, offsets ascending.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    file: _builtins.str
+    """"adapter_config.json" or "adapter_model.safetensors" """
+    size: _builtins.int
+    """the whole file's size"""
+    offset: _builtins.int
+    data: _builtins.bytes
+    @_builtins.property
+    def adapter(self) -> Global___AdapterStatus:
+        """first message only"""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___AdapterStatus | None = ...,
+        file: _builtins.str = ...,
+        size: _builtins.int = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "data", b"data", "file", b"file", "offset", b"offset", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterFileChunk: _TypeAlias = AdapterFileChunk  # noqa: Y015
+
+@_typing.final
 class FetchAdapterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -62,6 +62,16 @@ class WeightsStub:
                 request_serializer=weightd_dot_v1_dot_weightd__pb2.WatchAdaptersRequest.SerializeToString,
                 response_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterEvent.FromString,
                 _registered_method=True)
+        self.ResolveAdapter = channel.unary_unary(
+                '/weightd.v1.Weights/ResolveAdapter',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.ResolveAdapterRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+                _registered_method=True)
+        self.FetchAdapterFiles = channel.unary_stream(
+                '/weightd.v1.Weights/FetchAdapterFiles',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.FetchAdapterFilesRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterFileChunk.FromString,
+                _registered_method=True)
 
 
 class WeightsServicer:
@@ -110,6 +120,29 @@ class WeightsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveAdapter(self, request, context):
+        """The current version of an adapter (name, version, digest, base model). With
+        `load` set, an adapter that is not loaded is loaded from the daemon's adapter
+        roots first, when the operator allows it for that name (--adapter-autoload) and
+        under LoadAdapter's trust rules (a pinned --adapter-digest, or the operator's
+        --adapter-autoload-trust-roots; s3:// roots as for LoadAdapter); concurrent calls
+        for one name share one load. NOT_FOUND: not loaded and not loadable on request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchAdapterFiles(self, request, context):
+        """One adapter version's two files (adapter_config.json, then
+        adapter_model.safetensors), exactly the bytes the daemon verified: their SHA-256s
+        give the version's digest (see adapters/load.py adapter_digest), which the client
+        checks. For engines that read PEFT's files themselves (vLLM). The stream leases
+        the version, so an unload or replace meanwhile never tears it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +170,16 @@ def add_WeightsServicer_to_server(servicer, server):
                     servicer.WatchAdapters,
                     request_deserializer=weightd_dot_v1_dot_weightd__pb2.WatchAdaptersRequest.FromString,
                     response_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterEvent.SerializeToString,
+            ),
+            'ResolveAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveAdapter,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.ResolveAdapterRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.SerializeToString,
+            ),
+            'FetchAdapterFiles': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchAdapterFiles,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.FetchAdapterFilesRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterFileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -277,6 +320,60 @@ class Weights:
             '/weightd.v1.Weights/WatchAdapters',
             weightd_dot_v1_dot_weightd__pb2.WatchAdaptersRequest.SerializeToString,
             weightd_dot_v1_dot_weightd__pb2.AdapterEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightd.v1.Weights/ResolveAdapter',
+            weightd_dot_v1_dot_weightd__pb2.ResolveAdapterRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchAdapterFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightd.v1.Weights/FetchAdapterFiles',
+            weightd_dot_v1_dot_weightd__pb2.FetchAdapterFilesRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.AdapterFileChunk.FromString,
             options,
             channel_credentials,
             insecure,

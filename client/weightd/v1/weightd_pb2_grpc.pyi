@@ -58,6 +58,21 @@ class WeightsStub:
     """Adapter changes as they happen: first a load event for every adapter loaded now,
     then load / replace / unload events in the order they were published.
     """
+    ResolveAdapter: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.ResolveAdapterRequest, _weightd_pb2.AdapterStatus]
+    """The current version of an adapter (name, version, digest, base model). With
+    `load` set, an adapter that is not loaded is loaded from the daemon's adapter
+    roots first, when the operator allows it for that name (--adapter-autoload) and
+    under LoadAdapter's trust rules (a pinned --adapter-digest, or the operator's
+    --adapter-autoload-trust-roots; s3:// roots as for LoadAdapter); concurrent calls
+    for one name share one load. NOT_FOUND: not loaded and not loadable on request.
+    """
+    FetchAdapterFiles: _grpc.UnaryStreamMultiCallable[_weightd_pb2.FetchAdapterFilesRequest, _weightd_pb2.AdapterFileChunk]
+    """One adapter version's two files (adapter_config.json, then
+    adapter_model.safetensors), exactly the bytes the daemon verified: their SHA-256s
+    give the version's digest (see adapters/load.py adapter_digest), which the client
+    checks. For engines that read PEFT's files themselves (vLLM). The stream leases
+    the version, so an unload or replace meanwhile never tears it.
+    """
 
 @_typing.type_check_only
 class WeightsAsyncStub(WeightsStub):
@@ -84,6 +99,21 @@ class WeightsAsyncStub(WeightsStub):
     WatchAdapters: _aio.UnaryStreamMultiCallable[_weightd_pb2.WatchAdaptersRequest, _weightd_pb2.AdapterEvent]  # type: ignore[assignment]
     """Adapter changes as they happen: first a load event for every adapter loaded now,
     then load / replace / unload events in the order they were published.
+    """
+    ResolveAdapter: _aio.UnaryUnaryMultiCallable[_weightd_pb2.ResolveAdapterRequest, _weightd_pb2.AdapterStatus]  # type: ignore[assignment]
+    """The current version of an adapter (name, version, digest, base model). With
+    `load` set, an adapter that is not loaded is loaded from the daemon's adapter
+    roots first, when the operator allows it for that name (--adapter-autoload) and
+    under LoadAdapter's trust rules (a pinned --adapter-digest, or the operator's
+    --adapter-autoload-trust-roots; s3:// roots as for LoadAdapter); concurrent calls
+    for one name share one load. NOT_FOUND: not loaded and not loadable on request.
+    """
+    FetchAdapterFiles: _aio.UnaryStreamMultiCallable[_weightd_pb2.FetchAdapterFilesRequest, _weightd_pb2.AdapterFileChunk]  # type: ignore[assignment]
+    """One adapter version's two files (adapter_config.json, then
+    adapter_model.safetensors), exactly the bytes the daemon verified: their SHA-256s
+    give the version's digest (see adapters/load.py adapter_digest), which the client
+    checks. For engines that read PEFT's files themselves (vLLM). The stream leases
+    the version, so an unload or replace meanwhile never tears it.
     """
 
 class WeightsServicer(metaclass=_abc_1.ABCMeta):
@@ -138,6 +168,33 @@ class WeightsServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_weightd_pb2.AdapterEvent], _abc.AsyncIterator[_weightd_pb2.AdapterEvent]]:
         """Adapter changes as they happen: first a load event for every adapter loaded now,
         then load / replace / unload events in the order they were published.
+        """
+
+    @_abc_1.abstractmethod
+    def ResolveAdapter(
+        self,
+        request: _weightd_pb2.ResolveAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.AdapterStatus, _abc.Awaitable[_weightd_pb2.AdapterStatus]]:
+        """The current version of an adapter (name, version, digest, base model). With
+        `load` set, an adapter that is not loaded is loaded from the daemon's adapter
+        roots first, when the operator allows it for that name (--adapter-autoload) and
+        under LoadAdapter's trust rules (a pinned --adapter-digest, or the operator's
+        --adapter-autoload-trust-roots; s3:// roots as for LoadAdapter); concurrent calls
+        for one name share one load. NOT_FOUND: not loaded and not loadable on request.
+        """
+
+    @_abc_1.abstractmethod
+    def FetchAdapterFiles(
+        self,
+        request: _weightd_pb2.FetchAdapterFilesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_weightd_pb2.AdapterFileChunk], _abc.AsyncIterator[_weightd_pb2.AdapterFileChunk]]:
+        """One adapter version's two files (adapter_config.json, then
+        adapter_model.safetensors), exactly the bytes the daemon verified: their SHA-256s
+        give the version's digest (see adapters/load.py adapter_digest), which the client
+        checks. For engines that read PEFT's files themselves (vLLM). The stream leases
+        the version, so an unload or replace meanwhile never tears it.
         """
 
 def add_WeightsServicer_to_server(servicer: WeightsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

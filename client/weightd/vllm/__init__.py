@@ -11,7 +11,23 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """vLLM's plugin hook: make ``load_format="weightd"`` known. Safe to call repeatedly."""
+    """vLLM's plugin hook: make ``load_format="weightd"`` known, and the ``weightd``
+    LoRA resolver when ``WEIGHTD_LORA`` is set (see :mod:`.lora_options`). Safe to call
+    repeatedly."""
     from .loader import register_loader
 
     register_loader()
+    _register_lora()
+
+
+def _register_lora() -> None:
+    import os
+
+    from .lora_options import ENV, parse_lora_options
+
+    if ENV in os.environ:
+        # Read now: a mistake in it stops vLLM's start with one line, not each request.
+        parse_lora_options(os.environ[ENV])
+        from .lora_resolver import register_resolver
+
+        register_resolver()

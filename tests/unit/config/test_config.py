@@ -33,11 +33,20 @@ from weightd.server.config.load import SETTINGS, Loaded, check, load
 BASE_ENV = {"HOME": "/home/u", "XDG_CACHE_HOME": "/cache"}
 
 
+#: Samples for the settings whose syntax is not ``[NAME=]VALUE``, by syntax.
+_PARSED_SAMPLES: dict[str, Any] = {
+    "NAME|PREFIX*|*": ("alpha", "beta-*"),
+    "NAME=sha256:HEX": (Named("a", "sha256:" + "0" * 64), Named("b", "sha256:" + "1" * 64)),
+}
+
+
 def _sample(kind: Kind[Any], default: Any) -> Any:
     """A value of ``kind`` other than ``default`` that every setting's checks accept."""
     if isinstance(kind, Maybe):
         return _sample(kind.inner, None)
     if isinstance(kind, Items):
+        if isinstance(kind.inner, Parsed) and kind.inner.syntax in _PARSED_SAMPLES:
+            return _PARSED_SAMPLES[kind.inner.syntax]
         if isinstance(kind.inner, Parsed):
             return (Named("a", "/srv/a"), Named(None, "/srv/b"))
         return ("/srv/one", "/srv/two")

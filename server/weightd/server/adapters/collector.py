@@ -49,6 +49,9 @@ _REASONS: Final[tuple[tuple[type[BaseException], str], ...]] = (
     (OSError, "io"),
 )
 
+#: ``weightd_adapter_resolves_total``'s outcome label: its whole domain.
+RESOLVE_OUTCOMES: Final = ("held", "loaded", "not_found", "refused")
+
 #: Every value :func:`rejection_reason` can return: the label's whole domain.
 REJECTION_REASONS: Final = tuple(dict.fromkeys([r for _, r in _REASONS] + ["internal"]))
 
@@ -95,6 +98,15 @@ class AdapterMetrics:
         )
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)  # every reason from the first scrape, at zero
+        self.resolves = counter(
+            "weightd_adapter_resolves",
+            "ResolveAdapter requests (an engine naming an adapter), by outcome: held "
+            "(already loaded), loaded (loaded on request, or waited for that load), "
+            "not_found, refused.",
+            ("outcome",),
+        )
+        for outcome in RESOLVE_OUTCOMES:
+            self.resolves.labels(outcome)
         self.load_seconds = Histogram(
             "weightd_adapter_load_duration_seconds",
             "LoadAdapter requests that published a version: read, verify, hash and publish.",
@@ -132,6 +144,9 @@ class AdapterMetrics:
 
     def published(self, seconds: float) -> None:
         self.load_seconds.observe(seconds)
+
+    def resolved(self, outcome: str) -> None:
+        self.resolves.labels(outcome).inc()
 
 
 class AdapterBudgetCollector:

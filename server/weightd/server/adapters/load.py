@@ -22,7 +22,12 @@ from typing import Final
 
 import blake3
 
-from weightd.common.digests import format_digest
+from weightd.common.digests import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    adapter_digest,
+    format_digest,
+)
 
 from ..base.errors import (
     AdapterError,
@@ -42,8 +47,8 @@ from ..store.runs import RunPattern
 from .config import MAX_CONFIG_BYTES, AdapterConfig, parse_adapter_config
 from .validate import AdapterModule, verify_adapter
 
-CONFIG_FILE: Final = "adapter_config.json"
-WEIGHTS_FILE: Final = "adapter_model.safetensors"
+CONFIG_FILE: Final = ADAPTER_CONFIG_FILE
+WEIGHTS_FILE: Final = ADAPTER_WEIGHTS_FILE
 _PICKLES: Final = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 #: Largest adapter weights file accepted (adapters are small; this bounds a mistake).
 MAX_ADAPTER_BYTES: Final = 4 << 30
@@ -61,27 +66,20 @@ class LoadedAdapter:
     digest: str  # "sha256:<hex>" over both files, see adapter_digest
     base_model: str = ""  # the served model it was verified against
     config_bytes: int = 0  # adapter_config.json's size: its parsed form is held too
+    #: adapter_config.json exactly as verified (its SHA-256 is in ``digest``): served
+    #: whole to engines that read PEFT's own file (vLLM), so nothing is re-derived.
+    config_data: bytes = b""
 
     @property
     def nbytes(self) -> int:
-        """What the adapter holds, as the budget counts it: the weights and the config."""
+        """What the adapter holds, as the budget counts it: the weights and the config
+        (counted once though held twice, parsed and as bytes: the parsed form is small)."""
         return len(self.data) + self.config_bytes
 
     def read(self, pattern: RunPattern) -> bytes:
         """The bytes of ``pattern`` (offsets into the weights file)."""
         view = memoryview(self.data)
         return b"".join(view[off : off + n] for off, n in pattern.ranges())
-
-
-def adapter_digest(config_sha256: str, weights_sha256: str) -> str:
-    """One digest an operator can pin: SHA-256 of both files' SHA-256s, named.
-
-    Covers the config too, since ``lora_alpha`` changes the output as much as a weight.
-    Reproducible with ``sha256sum``: the hashed text is
-    ``"adapter_config.json <hex>\\nadapter_model.safetensors <hex>\\n"``.
-    """
-    text = f"{CONFIG_FILE} {config_sha256}\n{WEIGHTS_FILE} {weights_sha256}\n"
-    return format_digest("sha256", hashlib.sha256(text.encode()).hexdigest())
 
 
 def _request_parts(source_dir: str) -> None:
@@ -183,7 +181,6 @@ def load_adapter(
         raw_config, config_file = read_small(directory, CONFIG_FILE, limit=MAX_CONFIG_BYTES)
         config = parse_adapter_config(os.path.join(root, CONFIG_FILE), raw_config)
         config_bytes = len(raw_config)
-        del raw_config  # the parsed form is what is kept
         data = _read_weights(
             directory, None if admit is None else lambda n: admit(n + config_bytes)
         )
@@ -203,4 +200,6 @@ def load_adapter(
     digest = adapter_digest(config_file.sha256, hashlib.sha256(data).hexdigest())
     if expected_digest is not None and expected_digest != digest:
         raise DigestMismatchError(root, f"adapter digest: expected {expected_digest}, got {digest}")
-    return LoadedAdapter(root, config, modules, data, digests, digest, base.name, config_bytes)
+    return LoadedAdapter(
+        root, config, modules, data, digests, digest, base.name, config_bytes, raw_config
+    )

@@ -47,6 +47,7 @@ class AdapterEvent:
     version: int
     digest: str
     reason: str = ""  # for unload: "unloaded" or "evicted"
+    source: str = ""  # where the version was read from (the real path), for logs
 
 
 @dataclass
@@ -198,7 +199,8 @@ class AdapterRegistry:
                 old.current = version
                 old.last_used = next(self._clock)
                 kind = "replace"
-            self._emit(AdapterEvent(kind, name, version.version, adapter.digest))
+            event = AdapterEvent(kind, name, version.version, adapter.digest, "", adapter.source)
+            self._emit(event)
             return version
 
     def check_room(self, name: str, need: int) -> None:
@@ -262,7 +264,9 @@ class AdapterRegistry:
             raise AdapterNotFound(f"no adapter named {name!r} is loaded", adapter=name)
         self._retire(entry.current)
         v = entry.current
-        self._emit(AdapterEvent("unload", name, v.version, v.adapter.digest, reason))
+        self._emit(
+            AdapterEvent("unload", name, v.version, v.adapter.digest, reason, v.adapter.source)
+        )
         return v
 
     def _retire(self, version: AdapterVersion) -> None:

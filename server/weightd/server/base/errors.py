@@ -548,6 +548,21 @@ class NoAdapters(WeightdError):
     code = Code.FAILED_PRECONDITION
 
 
+class AdapterLoadPending(WeightdError):
+    """A load on request is in progress (another caller's, or too many at once): this
+    caller is not kept waiting on a server thread; it asks again."""
+
+    code = Code.UNAVAILABLE
+
+
+class AdapterTrustError(WeightdError):
+    """A worker asked for an adapter the operator allows to be loaded on request, but
+    nothing vouches for its bytes: no pinned ``--adapter-digest`` for it, and the operator
+    did not declare the adapter roots a trust root (``--adapter-autoload-trust-roots``)."""
+
+    code = Code.FAILED_PRECONDITION
+
+
 class AdapterBudgetExhausted(ResourceLimitError):
     """An adapter does not fit the adapter budget even after evicting every adapter that
     is neither leased nor pinned; nothing was evicted."""

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from ..base.errors import WeightdError
 from ..config import Named
 from ..telemetry.logs import one_line
+from .adapter_commands import add_parsers as add_adapter_parsers
+from .adapter_commands import run_adapter
 from .client_commands import (
     add_fetch_parser,
     run_describe,
@@ -77,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--tensors", action="store_true", help="list every rank's tensors")
 
     add_client_parsers(sub)
+    add_adapter_parsers(sub)
 
     demo = sub.add_parser(
         "demo-checkpoint", help="create (if needed) and print the demo checkpoint"
@@ -157,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only the client commands import the client (and fetch torch, to make tensors):
     # verify, manifest, serve, list and describe start seconds faster without it.
     explained: tuple[type[Exception], ...] = (WeightdError,)
-    if args.command in ("fetch", "list", "describe", "health", "reload"):
+    if args.command in ("fetch", "list", "describe", "health", "reload", "adapter"):
         from weightd.client.errors import WeightdError as ClientError
 
         explained = (WeightdError, ClientError)
@@ -191,6 +194,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_health(args)
     if args.command == "reload":
         return run_reload(args)
+    if args.command == "adapter":
+        return run_adapter(args)
     if args.command == "verify":
         return run_verify(args)
     if args.command == "manifest":

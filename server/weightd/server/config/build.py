@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from ..adapters.autoload import AutoloadPolicy
 from ..sources.bounds import StoreBounds
 from ..sources.download import DownloadSettings
 from ..sources.resolver import SourceOptions
@@ -79,4 +80,14 @@ def source_options(config: ServeConfig) -> SourceOptions:
         ),
         cache_dir=os.path.join(config.cache_dir, "sources") if config.cache_dir else "",
         trust_object_store=config.trust.trust_object_store,
+    )
+
+
+def autoload_policy(config: ServeConfig) -> AutoloadPolicy:
+    """Which adapters a worker may have loaded on request, and what vouches for them."""
+    adapters = config.adapters
+    return AutoloadPolicy(
+        allow=adapters.autoload,
+        digests=adapters.digests(),
+        trust_roots=adapters.autoload_trust_roots,
     )

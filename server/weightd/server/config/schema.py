@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from ..adapters.autoload import check_component, check_digest, check_pattern
 from ..rpc.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from ..sources.bounds import StoreBounds
 from ..sources.download import DownloadSettings
@@ -58,6 +59,16 @@ def parse_named(text: str) -> Named:
     if not text:
         raise ValueError("empty value")
     return Named(None, text)
+
+
+def _pinned_digest(text: str) -> Named:
+    """``NAME=sha256:<hex>``: an adapter name and the digest it must have."""
+    named = parse_named(text)
+    if named.name is None:
+        raise ValueError(f"{text!r}: NAME=sha256:<hex>")
+    check_component(named.name, error=ValueError)
+    check_digest(named.value)
+    return named
 
 
 _MODEL: Final = Parsed(parse_named, "[NAME=]DIR or [NAME=]s3://BUCKET/PREFIX/")
@@ -357,6 +368,31 @@ class AdapterSection(Section):
         "bytes of adapters held at once; unleased, unpinned ones are evicted LRU (unset: no limit)",
         check=at_least(1),
     )
+    autoload: tuple[str, ...] = setting(
+        (),
+        Items(Parsed(check_pattern, "NAME|PREFIX*|*")),
+        "adapters a worker may have loaded from the adapter roots by naming one that is not "
+        "loaded (ResolveAdapter; vLLM's weightd resolver): an exact name, PREFIX* or * "
+        "(repeatable); none: workers get only what an operator loaded",
+        metavar="NAME|PREFIX*|*",
+    )
+    digest: tuple[Named, ...] = setting(
+        (),
+        Items(Parsed(_pinned_digest, "NAME=sha256:HEX")),
+        "the digest an adapter loaded on a worker's request must have (what LoadAdapter's "
+        "expected_digest says for an operator's load); repeatable",
+        metavar="NAME=sha256:HEX",
+    )
+    autoload_trust_roots: bool = setting(
+        False,
+        Flag(),
+        "load adapters on a worker's request without a pinned digest: whoever can write the "
+        "adapter roots then decides what is served (s3:// roots also need trust-object-store)",
+    )
+
+    def digests(self) -> dict[str, str]:
+        """Pinned digest per adapter name."""
+        return {d.name or "": d.value for d in self.digest}
 
 
 @dataclass
@@ -473,6 +509,15 @@ class ServeConfig:
             out.append(("trust.manifest", "name the model (NAME=FILE) when serving several models"))
         if self.trust.trust_key and not manifests:
             out.append(("trust.trust_key", "needs a manifest (the key signs a manifest)"))
+        pinned = [d.name for d in self.adapters.digest]
+        if len(set(pinned)) != len(pinned):
+            out.append(("adapters.digest", "two digests for one adapter name"))
+        if (pinned or self.adapters.autoload_trust_roots) and not self.adapters.autoload:
+            out.append(
+                ("adapters.autoload", "adapter-digest and adapter-autoload-trust-roots need it")
+            )
+        if self.adapters.autoload and not self.adapters.root:
+            out.append(("adapters.autoload", "needs an adapter-root to load from"))
         if self.tls.key is not None and self.tls.cert is None:
             out.append(("tls.key", "needs tls-cert"))
         if self.tls.cert is not None and self.tls.key is None:

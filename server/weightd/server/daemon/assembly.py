@@ -244,6 +244,9 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             AdapterRegistry(config.adapters.budget_bytes),
             list(config.adapters.root),
             resolver=resolver,
+            autoload=build.autoload_policy(config),
+            # A quarter of the stream slots may load, a quarter wait: the rest stay free.
+            autoload_slots=max(1, server_config.max_workers // 4),
         )
         adapters = Adapters(adapter_service)
         service = WeightsService(

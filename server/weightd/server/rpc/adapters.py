@@ -18,8 +18,9 @@ import grpc
 
 from weightd.v1 import weightd_pb2 as pb
 
+from ..adapters.load import CONFIG_FILE, WEIGHTS_FILE
 from ..adapters.packing import slice_bytes
-from ..adapters.registry import AdapterEvent, AdapterVersion
+from ..adapters.registry import AdapterEvent, AdapterVersion, Lease
 from ..adapters.service import AdapterService, AdapterState, check_name
 from ..base.errors import WatchOverflow
 from ..plan.layout import Layout
@@ -160,6 +161,46 @@ class Adapters:
         if first:
             last.adapter.CopyFrom(info)
         yield last
+
+    def resolve(self, request: pb.ResolveAdapterRequest) -> pb.AdapterStatus:
+        s = self.service.resolve(request.name, request.model, request.load)
+        return status(s.version, s.pinned, s.leases)
+
+    def fetch_files(
+        self, request: pb.FetchAdapterFilesRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.AdapterFileChunk]:
+        """Both files of one version, as verified, under a lease on that version."""
+        try:
+            check_name(request.name)
+            registry = self.service.registry
+            lease: Lease = (
+                registry.lease_version(request.name, request.version)
+                if request.version
+                else registry.lease(request.name)
+            )
+        except Exception as exc:
+            abort(context, exc, "FetchAdapterFiles")
+        try:
+            v = lease.version
+            chunk = chunk_bytes(request.max_chunk_bytes)
+            first = True
+            files = ((CONFIG_FILE, v.adapter.config_data), (WEIGHTS_FILE, v.adapter.data))
+            for file, data in files:
+                view = memoryview(data)
+                for offset in range(0, max(len(data), 1), chunk):
+                    if not context.is_active():
+                        return
+                    piece = bytes(view[offset : offset + chunk])
+                    msg = pb.AdapterFileChunk(file=file, size=len(data), offset=offset, data=piece)
+                    if first:
+                        msg.adapter.CopyFrom(status(v))
+                        first = False
+                    yield msg
+        except Exception as exc:
+            if context.is_active():
+                abort(context, exc, "FetchAdapterFiles")
+        finally:
+            lease.release()  # also on cancellation (GeneratorExit at a yield)
 
     def watch(self, context: grpc.ServicerContext) -> Iterator[pb.AdapterEvent]:
         w = self.service.registry.watch()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -71,23 +71,41 @@ class WeightsService:
             raise NoAdapters("this daemon serves no adapters")
         return self.adapters
 
-    def FetchAdapter(
-        self, request: pb.FetchAdapterRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.FetchResponse]:
+    def _adapter_stream(
+        self,
+        context: grpc.ServicerContext,
+        method: str,
+        run: Callable[[Adapters], Iterator[Resp]],
+    ) -> Iterator[Resp]:
+        """An adapter stream's messages, or its status when this daemon serves none."""
         try:
             adapters = self._adapters()
         except Exception as exc:
-            abort(context, exc, "FetchAdapter")
-        yield from adapters.fetch(request, context)
+            abort(context, exc, method)
+        yield from run(adapters)
+
+    def FetchAdapter(
+        self, request: pb.FetchAdapterRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.FetchResponse]:
+        return self._adapter_stream(context, "FetchAdapter", lambda a: a.fetch(request, context))
 
     def WatchAdapters(
         self, request: pb.WatchAdaptersRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.AdapterEvent]:
-        try:
-            adapters = self._adapters()
-        except Exception as exc:
-            abort(context, exc, "WatchAdapters")
-        yield from adapters.watch(context)
+        return self._adapter_stream(context, "WatchAdapters", lambda a: a.watch(context))
+
+    @unary
+    def ResolveAdapter(
+        self, request: pb.ResolveAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.AdapterStatus:
+        return self._adapters().resolve(request)
+
+    def FetchAdapterFiles(
+        self, request: pb.FetchAdapterFilesRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.AdapterFileChunk]:
+        return self._adapter_stream(
+            context, "FetchAdapterFiles", lambda a: a.fetch_files(request, context)
+        )
 
     @unary
     def ListModels(
@@ -339,6 +357,16 @@ def add_weights_service(service: WeightsService, server: grpc.Server) -> None:
             service.WatchAdapters,
             request_deserializer=pb.WatchAdaptersRequest.FromString,
             response_serializer=pb.AdapterEvent.SerializeToString,
+        ),
+        "ResolveAdapter": grpc.unary_unary_rpc_method_handler(
+            service.ResolveAdapter,
+            request_deserializer=pb.ResolveAdapterRequest.FromString,
+            response_serializer=pb.AdapterStatus.SerializeToString,
+        ),
+        "FetchAdapterFiles": grpc.unary_stream_rpc_method_handler(
+            service.FetchAdapterFiles,
+            request_deserializer=pb.FetchAdapterFilesRequest.FromString,
+            response_serializer=pb.AdapterFileChunk.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers(

@@ -386,6 +386,16 @@ class SourceResolver:
 
     # --- adapters --------------------------------------------------------------------
 
+    def adapter_present(self, source: str, roots: Sequence[S3Location]) -> bool:
+        """Whether the ``s3://`` adapter at ``source`` (under one of ``roots``) has its
+        config object: one HEAD, nothing downloaded (a load on request asks first)."""
+        location = adapter_location(source, tuple(roots))
+        try:
+            self.store.head(location, ADAPTER_FILES[0])
+        except ObjectNotFound:
+            return False
+        return True
+
     def resolve_adapter(
         self,
         source: str,

@@ -25,6 +25,7 @@ EVENTS: Final = frozenset(
     {"start", "listening", "verified", "serving", "reload", "verify_failed", "drain", "exit"}
     | {"file_changed", "restore"}  # the file watcher (filewatch.py)
     | {"download"}  # remote sources (sources/resolver.py)
+    | {"adapter"}  # adapter load/replace/unload/evict/refuse (adapters/service.py)
 )
 
 #: Characters of one log message (an error quoting a multi-MiB answer stays readable).

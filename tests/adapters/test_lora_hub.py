@@ -1,0 +1,176 @@
+"""The API-server side of weightd LoRA in vLLM (``weightd.vllm.lora_hub``), against a real
+daemon, without vLLM: private copies, single-flight, base identity, errors as HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.lora_adapters import digest_of
+from tests.adapters.conftest import Fixture
+from tests.conftest import RunningDaemon, run_daemon
+from weightd.client.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnavailableError,
+    WeightdError,
+)
+from weightd.vllm.lora_hub import AdapterUnavailable, LoRAHub, unavailable
+from weightd.vllm.lora_options import LoRAOptions, LoRAOptionsError, parse_lora_options
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def daemon(lora: Fixture, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    tmp = tmp_path_factory.mktemp("hub")
+    extra = [
+        *("--adapter-root", str(lora.root), "--adapter-autoload", "good"),
+        *("--adapter-autoload", "second"),
+        *("--adapter-digest", f"good={digest_of(lora.adapter_dir)}"),
+        *("--adapter-digest", f"second={digest_of(lora.second_dir)}"),
+    ]
+    with run_daemon(tmp, [("tiny-llama", lora.base_dir)], extra) as d:
+        yield d
+
+
+def hub_for(d: RunningDaemon, tmp: Path) -> LoRAHub:
+    return LoRAHub(LoRAOptions(target=d.target, dir=str(tmp / "copies"), timeout=60))
+
+
+def test_private_copy_is_the_verified_files_read_only(
+    daemon: RunningDaemon, lora: Fixture, tmp_path: Path
+) -> None:
+    hub = hub_for(daemon, tmp_path)
+    got = asyncio.run(hub.current("good", str(lora.base_dir)))
+    assert got.lora_name == f"good@v{got.version}" and got.digest == digest_of(lora.adapter_dir)
+    path = Path(got.path)
+    assert path.parent.parent == tmp_path / "copies"
+    assert path.name.startswith(f"good@v{got.version}-")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (path / name).read_bytes() == (lora.adapter_dir / name).read_bytes()
+        assert stat.S_IMODE((path / name).stat().st_mode) == 0o400
+    assert stat.S_IMODE(path.stat().st_mode) == 0o500
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert hub.owns(got.path)
+    again = asyncio.run(hub.current("good"))
+    assert again.path == got.path and again.prepared_seconds == got.prepared_seconds
+
+
+def test_concurrent_callers_share_one_round_trip(daemon: RunningDaemon, tmp_path: Path) -> None:
+    hub = hub_for(daemon, tmp_path)
+
+    async def many() -> list[str]:
+        return [p.path for p in await asyncio.gather(*(hub.current("second") for _ in range(16)))]
+
+    paths = asyncio.run(many())
+    assert len(set(paths)) == 1
+    assert len(os.listdir(hub.root())) == 1  # one copy written
+
+
+@pytest.mark.parametrize(
+    ("name", "status", "text"),
+    [
+        ("nosuch", 404, "weightd adapter 'nosuch' not found: "),
+        ("../good", 400, "weightd adapter '../good' refused: "),
+    ],
+)
+def test_errors_carry_http_status_and_name(
+    daemon: RunningDaemon, tmp_path: Path, name: str, status: int, text: str
+) -> None:
+    with pytest.raises(AdapterUnavailable) as caught:
+        asyncio.run(hub_for(daemon, tmp_path).current(name))
+    assert caught.value.status == status and caught.value.message.startswith(text)
+
+
+def test_another_base_model_is_refused(
+    daemon: RunningDaemon, lora: Fixture, tmp_path: Path
+) -> None:
+    other = tmp_path / "other-base"
+    shutil.copytree(lora.base_dir, other)
+    config = (other / "config.json").read_text().replace('"vocab_size": 128', '"vocab_size": 129')
+    (other / "config.json").write_text(config)
+    with pytest.raises(AdapterUnavailable, match="is not vLLM's base model") as caught:
+        asyncio.run(hub_for(daemon, tmp_path).current("good", str(other)))
+    assert caught.value.status == 400
+
+
+def test_unreachable_daemon_is_503(tmp_path: Path) -> None:
+    hub = LoRAHub(LoRAOptions(target=f"unix://{tmp_path}/none.sock", timeout=5))
+    with pytest.raises(AdapterUnavailable, match="unreachable") as caught:
+        asyncio.run(hub.current("good"))
+    assert caught.value.status == 503
+
+
+@pytest.mark.parametrize(
+    ("text", "target", "model"),
+    [
+        ("unix:///x.sock", "unix:///x.sock", ""),
+        ('{"target": "unix:///y.sock", "model": "m"}', "unix:///y.sock", "m"),
+    ],
+)
+def test_options(text: str, target: str, model: str) -> None:
+    o = parse_lora_options(text)
+    assert (o.target, o.model) == (target, model)
+
+
+@pytest.mark.parametrize(
+    "text", ['{"targt": "x"}', '{"timeout": "5"}', '{"load": 1}', "{", '{"timeout": 0}']
+)
+def test_bad_options(text: str) -> None:
+    with pytest.raises(LoRAOptionsError):
+        parse_lora_options(text)
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "start"),
+    [
+        (NotFoundError("x"), 404, "weightd adapter 'a' not found: x"),
+        (UnavailableError("x"), 503, "weightd adapter 'a': the daemon at T is unreachable: x"),
+        (DeadlineExceededError("x"), 503, "weightd adapter 'a': the daemon at T is unreachable"),
+        (ResourceExhaustedError("x"), 503, "weightd adapter 'a': the daemon cannot hold it now"),
+        (DataLossError("x"), 400, "weightd adapter 'a' refused: x"),
+        (FailedPreconditionError("x"), 400, "weightd adapter 'a' refused: x"),
+        (InvalidArgumentError("x"), 400, "weightd adapter 'a' refused: x"),
+        (PermissionDeniedError("x"), 400, "weightd adapter 'a' refused: x"),
+    ],
+)
+def test_status_table(error: WeightdError, status: int, start: str) -> None:
+    got = unavailable("a", "T", error)
+    assert got.status == status and got.message.startswith(start)
+
+
+def test_a_retired_copy_goes_after_retain_seconds(
+    daemon: RunningDaemon, lora: Fixture, tmp_path: Path
+) -> None:
+    from weightd.client.admin import AdminClient
+
+    hub = LoRAHub(
+        LoRAOptions(target=daemon.target, dir=str(tmp_path / "c"), retain_seconds=0, timeout=60)
+    )
+    admin = AdminClient(f"unix://{daemon.log_path.parent / 'run' / 'admin.sock'}", timeout=60)
+    admin.load_adapter("retire", str(lora.adapter_dir))
+    old = asyncio.run(hub.current("retire"))
+    admin.load_adapter("retire", str(lora.second_dir))  # a new version
+    new = asyncio.run(hub.current("retire"))
+    assert new.version > old.version and new.path != old.path
+    assert os.path.isdir(old.path)  # vLLM may still serve it: kept until retired
+    hub.retire(old.path)  # what the middleware does once vLLM serves the new one
+    hub.retire("/not/ours")  # nothing
+    assert not os.path.exists(old.path) and os.path.isdir(new.path)
+    assert hub.owns(new.path) and not hub.owns(old.path)
+    assert hub.newer(new.path, old.path) and not hub.newer(old.path, new.path)
+    admin.unload_adapter("retire")
+    with pytest.raises(AdapterUnavailable, match="not found"):
+        asyncio.run(hub.current("retire"))
