@@ -22,7 +22,6 @@ the same GPUs (any order: matched by UUID).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from weightd.v1 import local_pb2 as lpb
 
 from .dlpack import KDL_CUDA, bytes_tensor
 from .errors import DataLossError, FailedPreconditionError, UnavailableError
+from .hashers import new_hasher
 from .local import LocalConnection
 from .shm import pack_table
 
@@ -182,12 +182,16 @@ def _verify(views: dict[str, torch.Tensor], grant: lpb.PackGrant) -> None:
     """Hash every slice (copied to the host) against the table: slow, opt-in."""
     for e in grant.entries:
         t = views[e.name]
-        h = hashlib.sha256()
+        kind = e.digest.partition(":")[0]
+        try:
+            h = new_hasher(kind)
+        except ValueError as exc:
+            raise DataLossError(f"pack {grant.pack_id}: tensor {e.name!r}: {exc}") from None
         if e.nbytes:
             host = t.reshape(-1).view(torch.uint8).cpu()
             # A ctypes array over the host copy: the buffer protocol without NumPy.
-            h.update((ctypes.c_char * e.nbytes).from_address(host.data_ptr()))
-        actual = slice_digest(h)
+            h.update(memoryview((ctypes.c_char * e.nbytes).from_address(host.data_ptr())).cast("B"))
+        actual = slice_digest(h, kind)
         if actual != e.digest:
             raise DataLossError(
                 f"pack {grant.pack_id}: tensor {e.name!r} on the GPU hashes to {actual}, the "

@@ -26,10 +26,16 @@ from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 
 from .errors import ResourceExhaustedError, UnavailableError, WeightdError, error_for
+from .hashers import available_kinds
 from .transports import AdapterRef, PackRef
 
 #: Connecting and reading the hello take no longer than this.
 CONNECT_TIMEOUT_SECONDS: Final = 10.0
+
+
+class PackPendingError(UnavailableError):
+    """The pack is being built and the request said not to wait (``no_wait``): the
+    daemon serves the same tensors over gRPC now, from its verified shards."""
 
 
 class LocalConnection:
@@ -116,6 +122,8 @@ class LocalConnection:
             for fd in fds:
                 os.close(fd)
             err = response.error
+            if err.pending:
+                raise PackPendingError(err.detail, transport=self.transport)
             raise error_for(
                 err.code, err.detail, transport=self.transport if err.transport else None
             )
@@ -153,7 +161,12 @@ def adapter_ref(info: pb.AdapterInfo) -> AdapterRef:
 
 def attach_request(ref: PackRef, names: list[str]) -> lpb.LocalRequest:
     return lpb.LocalRequest(
-        attach=lpb.AttachPack(boot_id=ref.boot_id, pack_id=ref.pack_id, names=names)
+        attach=lpb.AttachPack(
+            boot_id=ref.boot_id,
+            pack_id=ref.pack_id,
+            names=names,
+            slice_digests=list(available_kinds()),
+        )
     )
 
 

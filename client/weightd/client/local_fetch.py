@@ -12,8 +12,9 @@ from weightd.v1 import local_pb2 as lpb
 
 from .cuda_ipc import device_uuid, map_cuda_pack
 from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError, WeightdError
+from .hashers import available_kinds
 from .layout import Layout
-from .local import LocalConnection, attach_request, pack_ref
+from .local import LocalConnection, PackPendingError, attach_request, pack_ref
 from .shm import map_host_pack
 from .transports import FetchInfo, PackRef, TransportFailure, candidates, side_socket_path
 
@@ -89,6 +90,7 @@ def negotiated_fetch(
                 timeout=timeout,
                 adapter=adapter,
                 populate=populate,
+                no_wait=transport == "auto",
             )
             copied = copy or (name == "shm" and device.type != "cpu")
             return state, FetchInfo(name, transport, reason, tuple(failures), ref, copied)
@@ -96,6 +98,8 @@ def negotiated_fetch(
             if transport != "auto":
                 raise FailedPreconditionError(str(exc), transport=name) from None
             reason = f"{exc}; {reason}"
+        except PackPendingError as exc:  # only asked for by "auto": gRPC serves it now
+            reason = f"{name}: {exc.detail}, so over gRPC meanwhile; {reason}"
         except WeightdError as exc:
             if transport != "auto" or exc.transport is None or i == len(order) - 1:
                 raise
@@ -123,8 +127,13 @@ def fetch_local(
     timeout: float | None,
     adapter: str = "",
     populate: bool | None = None,
+    no_wait: bool = False,
 ) -> tuple[dict[str, torch.Tensor], PackRef]:
-    """One worker's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc"."""
+    """One worker's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc".
+
+    ``no_wait``: a pack still being built raises :class:`.local.PackPendingError` at
+    once instead of waiting for the build (``transport="auto"`` then uses gRPC).
+    """
     conn = LocalConnection(path, transport, timeout)
     try:
         acquire = lpb.AcquirePack(
@@ -133,6 +142,8 @@ def fetch_local(
             names=list(names),
             placement=lpb.PLACEMENT_HOST,
             adapter=adapter,
+            slice_digests=list(available_kinds()),
+            no_wait=no_wait,
         )
         if transport == "cuda_ipc":
             acquire.placement = lpb.PLACEMENT_CUDA

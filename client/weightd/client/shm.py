@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import hashlib
 import mmap
 import os
 import weakref
@@ -58,6 +57,7 @@ from weightd.v1 import local_pb2 as lpb
 
 from .dtypes import torch_dtype
 from .errors import DataLossError
+from .hashers import new_hasher
 from .local import LocalConnection
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
@@ -181,11 +181,16 @@ def map_host_pack(
 def _verify(
     mapping: ctypes.Array[ctypes.c_char], entries: Iterable[lpb.PackEntry], pack_id: int
 ) -> None:
-    with memoryview(mapping) as view:
+    """Hash every entry as its digest says (``blake3:``, ``sha256:``) and compare."""
+    with memoryview(mapping) as raw, raw.cast("B") as view:
         for e in entries:
-            h = hashlib.sha256()
+            kind = e.digest.partition(":")[0]
+            try:
+                h = new_hasher(kind)
+            except ValueError as exc:
+                raise DataLossError(f"pack {pack_id}: tensor {e.name!r}: {exc}") from None
             h.update(view[e.offset : e.offset + e.nbytes])
-            actual = slice_digest(h)
+            actual = slice_digest(h, kind)
             if actual != e.digest:
                 raise DataLossError(
                     f"pack {pack_id}: tensor {e.name!r} hashes to {actual}, the table says "

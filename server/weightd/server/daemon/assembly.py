@@ -38,6 +38,7 @@ from ..telemetry import logs
 from ..telemetry.metrics import Metrics, MetricsServer, SourceMetrics, serve_metrics
 from ..transports.local_server import LocalServer, start_local_server
 from ..transports.options import check_config
+from ..transports.prebuild import LayoutPrebuilder
 from ..trust.verify import VerifyOptions
 from . import lifecycle, listeners
 from .addresses import Address, parse_address, prepare_unix_socket
@@ -51,6 +52,7 @@ from .collectors import (
     ShmPackState,
     adapter_metrics,
 )
+from .prebuilding import prebuilder_for, prepare_at_start
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 
 log = logging.getLogger("weightd")
@@ -91,6 +93,9 @@ class Daemon:
 
     #: Brings ``s3://`` models and adapters into the local cache.
     resolver: SourceResolver | None = None
+
+    #: Builds and holds each model's declared layouts' packs at load (on Unix listeners).
+    prebuilder: LayoutPrebuilder | None = None
 
     @property
     def target(self) -> str:
@@ -136,6 +141,8 @@ class Daemon:
             self.watcher.close()  # first: it reads the stores the registry closes
         if self.adapters is not None:
             self.adapters.close()
+        if self.prebuilder is not None:
+            self.prebuilder.close()
         if self.local is not None:
             self.local.close()
         if self.watchdog is not None:
@@ -285,6 +292,8 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)
+            daemon.prebuilder = prebuilder_for(config, daemon.local.service)
+            daemon.reloader.prepare = daemon.prebuilder.prepare
         if metrics_registry is not None:
             adapter_service.metrics = adapter_metrics(
                 metrics_registry, adapter_service, daemon.local
@@ -336,6 +345,7 @@ def load_models(
             daemon.metrics.model_known(name)
     for name, source in named:
         model, _ = load_source(source, name, daemon.metrics, tables, options, daemon.resolver)
+        prepare_at_start(daemon.prebuilder, model)
         daemon.registry.publish(model)
 
 

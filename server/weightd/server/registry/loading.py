@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..base.errors import InvalidRequest, ModelNotFound, ModelNotReady, WeightdError
@@ -82,6 +82,17 @@ def load_source(
     return load_observed(source, name, metrics, tables, options)
 
 
+def prepare_or_close(prepare: Callable[[LoadedModel], None] | None, model: LoadedModel) -> None:
+    """Run ``prepare`` on a version about to be published; on failure close its files."""
+    if prepare is None:
+        return
+    try:
+        prepare(model)
+    except BaseException:
+        model.store.close()
+        raise
+
+
 @dataclass(frozen=True)
 class ReloadResult:
     model: LoadedModel
@@ -122,6 +133,9 @@ class Reloader:
         self._options = options
         self._guard = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
+        #: Runs on a verified version before it is published (its declared layouts'
+        #: packs are built there: ``transports/prebuild.py``); a failure fails the reload.
+        self.prepare: Callable[[LoadedModel], None] | None = None
 
     def _current(self, name: str) -> LoadedModel:
         published = {m.name: m for m in self._registry.models()}
@@ -164,6 +178,7 @@ class Reloader:
         with self.exclusive(current.name):
             try:
                 new, seconds = self.load_aside(current)
+                prepare_or_close(self.prepare, new)
             except Exception as exc:
                 if self._metrics is not None:
                     self._metrics.reloads.labels(current.name, "failed").inc()

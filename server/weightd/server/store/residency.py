@@ -95,3 +95,13 @@ def resident_bytes(fd: int, size: int | None = None) -> tuple[int, int]:
         finally:
             lib.munmap(addr, n)
     return length, total
+
+
+def drop_cached(fd: int) -> None:
+    """Ask the kernel to drop the file's clean pages from the page cache.
+
+    ``POSIX_FADV_DONTNEED`` frees only pages no process maps and nobody dirtied: it
+    never loses data and never changes what a later read returns (that read goes to
+    the disk instead). Used once a model's packs are its resident copy.
+    """
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

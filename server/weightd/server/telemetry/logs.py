@@ -25,6 +25,8 @@ EVENTS: Final = frozenset(
     {"start", "listening", "verified", "serving", "reload", "verify_failed", "drain", "exit"}
     | {"file_changed", "restore"}  # the file watcher (filewatch.py)
     | {"download"}  # remote sources (sources/resolver.py)
+    # rank packs (transports/): built, asked for while building, declared layouts ready
+    | {"pack_built", "pack_pending", "layouts_built"}
 )
 
 _EVENT_ATTR: Final = "weightd_event"

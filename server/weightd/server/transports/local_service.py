@@ -46,17 +46,23 @@ from ..base.errors import (
     DataIntegrityError,
     LocalProtocolError,
     NoAdapters,
+    PackPending,
     PlacementUnavailable,
     StaleGrant,
     TransportError,
     status_for,
 )
-from ..packs.build import HostPack, build_host_pack, layout_pack
+from ..packs.build import HostPack, layout_pack
 from ..packs.cache import Lease, PackCache
+from ..packs.layoutbuild import build_host_pack
+from ..plan.declared import LayoutGroup
 from ..plan.layout import Layout
-from ..registry.models import ModelRegistry
+from ..plan.planner import RankPlan
+from ..registry.models import LoadedModel, ModelRegistry
+from ..telemetry import logs
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer, wire_layout
+from .layout_memory import LayoutMemory
 from .options import LocalConfig
 from .pinned import HostPinner
 
@@ -77,6 +83,11 @@ def pack_label(layout: Layout) -> str:
     return label
 
 
+def key_of(model: LoadedModel, layout: Layout) -> tuple[str, Layout]:
+    """A host pack's key: the served content (fingerprint) and the whole layout."""
+    return (model.fingerprint, layout)
+
+
 def local_error(error: BaseException, what: str) -> lpb.LocalError:
     """The side channel's answer to a failure: its status from the one table.
 
@@ -86,7 +97,12 @@ def local_error(error: BaseException, what: str) -> lpb.LocalError:
     code, detail = status_for(error)
     if code is Code.INTERNAL:
         log.error("side-channel %s failed", what, exc_info=error)
-    return lpb.LocalError(code=code, detail=detail, transport=isinstance(error, TransportError))
+    return lpb.LocalError(
+        code=code,
+        detail=detail,
+        transport=isinstance(error, TransportError),
+        pending=isinstance(error, PackPending),
+    )
 
 
 class PackService:
@@ -102,6 +118,8 @@ class PackService:
         #: Open side-channel connections, for stats; the socket server sets it.
         self.connections: Callable[[], int] = lambda: 0
         self.boot_id = uuid.uuid4().hex
+        #: Where the layouts workers ask for are remembered (None: nowhere).
+        self.memory: LayoutMemory | None = None
         counter = itertools.count(1)
         id_lock = threading.Lock()
 
@@ -189,36 +207,76 @@ class PackService:
         if req.names:
             model.plan_layout(layout, tuple(req.names))  # unknown or repeated names fail here
         plan = model.plan_layout(layout)
+        host = self.host_lease(model, plan, wait=not req.no_wait, remember=True)
+        kinds = list(req.slice_digests)
+        if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
+            return answer(self.boot_id, host, list(req.names), kinds)
         key = (model.fingerprint, layout)
-        label = f"{model.name}:{pack_label(layout)}"
+        info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST)
+        return answer(self.boot_id, self._place(req, host, key, info), list(req.names), kinds)
 
-        def build() -> HostPack:
+    def host_lease(
+        self,
+        model: LoadedModel,
+        plan: RankPlan,
+        *,
+        wait: bool = True,
+        remember: bool = False,
+        build: Callable[[], HostPack] | None = None,
+        declared: bool = False,
+    ) -> Lease[HostPack]:
+        """A lease on ``model``'s pack for ``plan``'s layout, built (by ``build``) if absent.
+
+        ``wait=False``: a pack not built yet raises :class:`PackPending` at once (its
+        build started, if it had not), after logging ``pack_pending``, so the worker
+        fetches over gRPC meanwhile. ``remember``: record the layout's deployment in
+        the cache directory, for the next start to build (:mod:`.layout_memory`). A
+        build whose bytes do not match the verified digests marks the model broken:
+        it serves nothing (DATA_LOSS) until reloaded.
+        """
+        layout = plan.layout
+        label = f"{model.name}:{pack_label(layout)}"
+        make = build or (lambda: build_host_pack(model, plan, f"weightd:{label}"))
+
+        def build_it() -> HostPack:
             started = time.monotonic()
             try:
-                pack = build_host_pack(model, plan, f"weightd:{label}")
+                pack = make()
             except DataIntegrityError as exc:
                 self.registry.mark_broken(model, str(exc))
                 raise
             if self.pinner is not None:
                 self.pinner.pin(pack)
-            log.info(
-                "built pack %s: %d tensors, %d bytes in %.3fs%s",
-                label,
-                len(pack.entries),
-                pack.size,
-                time.monotonic() - started,
-                " (pinned)" if pack.pinned else "",
+            seconds = time.monotonic() - started
+            logs.event(
+                "pack_built",
+                model=model.name,
+                layout=pack_label(layout),
+                tensors=len(pack.entries),
+                bytes=pack.size,
+                seconds=seconds,
+                pinned=pack.pinned,
+                declared=declared,
             )
+            if remember and self.memory is not None:
+                self.memory.remember(model.name, LayoutGroup.of(layout))
             return pack
+
+        def pending(started: bool) -> None:
+            logs.event(
+                "pack_pending",
+                model=model.name,
+                layout=pack_label(layout),
+                build="started" if started else "running",
+            )
 
         def size() -> int:
             return layout_pack(plan.slices)[1]
 
-        info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST)
-        host = self.host.acquire(key, size, info, build)
-        if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
-            return answer(self.boot_id, host, list(req.names))
-        return answer(self.boot_id, self._place(req, host, key, info), list(req.names))
+        info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST, declared=declared)
+        return self.host.acquire(
+            key_of(model, layout), size, info, build_it, wait=wait, on_pending=pending
+        )
 
     def _acquire_adapter(self, req: lpb.AcquirePack) -> Outcome:
         """The current version of adapter ``req.adapter``: its pack, leased with the version."""
@@ -258,7 +316,7 @@ class PackService:
             version.release()
             raise
         held: Held = AdapterPackLease(lease, version)
-        return answer(self.boot_id, held, [])
+        return answer(self.boot_id, held, [], list(req.slice_digests))
 
     def _place(
         self, req: lpb.AcquirePack, host: Lease[HostPack], key: Hashable, info: PackInfo
@@ -304,8 +362,17 @@ class PackService:
             raise LocalProtocolError(f"pack {req.pack_id} holds no tensor {missing[0]!r}")
         info = lease.info
         assert isinstance(info, PackInfo)
+        kinds = list(req.slice_digests)
+        if info.adapter is None:
+            state, reason = self.registry.state(info.model)
+            if state == "broken":  # a build (or a check) found its bytes changed
+                lease.release()
+                raise DataIntegrityError(
+                    f"pack {req.pack_id}: model {info.model!r} is not served until reloaded: "
+                    f"{reason}"
+                )
         if info.adapter is None or self.adapters is None:
-            return answer(self.boot_id, lease, list(req.names))
+            return answer(self.boot_id, lease, list(req.names), kinds)
         tag = info.adapter
         try:
             version = self.adapters.registry.lease_version(tag.name, tag.version)
@@ -317,7 +384,7 @@ class PackService:
                 "which is no longer held: fetch again"
             ) from None
         held: Held = AdapterPackLease(lease, version)
-        return answer(self.boot_id, held, list(req.names))
+        return answer(self.boot_id, held, list(req.names), kinds)
 
     # --- upkeep ----------------------------------------------------------------------------
 
