@@ -416,6 +416,8 @@ class PackService:
                     pinned=isinstance(s.pack, HostPack) and s.pack.pinned,
                     adapter=info.adapter.name if info.adapter else "",
                     adapter_version=info.adapter.version if info.adapter else 0,
+                    building=s.building,
+                    declared=info.declared,
                 )
         return out
 
