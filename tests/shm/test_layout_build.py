@@ -22,8 +22,8 @@ from weightd.server.packs.layoutbuild import build_layout_packs
 from weightd.server.plan.declared import DeclaredLayout, LayoutGroup
 from weightd.server.registry.models import ModelRegistry, load_model
 from weightd.server.transports.local_service import PackService, key_of
-from weightd.server.transports.options import LocalConfig
-from weightd.server.transports.prebuild import LayoutPrebuilder, PrebuildOptions
+from weightd.server.transports.options import LocalConfig, PrebuildOptions
+from weightd.server.transports.prebuild import LayoutPrebuilder
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 

@@ -12,8 +12,7 @@ import os
 from ..sources.download import DownloadSettings
 from ..sources.resolver import SourceOptions
 from ..sources.s3 import S3Settings
-from ..transports.options import LocalConfig
-from ..transports.prebuild import PrebuildOptions
+from ..transports.options import LocalConfig, PrebuildOptions
 from ..trust.verify import VerifyOptions
 from .schema import ServeConfig
 

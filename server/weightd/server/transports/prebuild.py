@@ -30,34 +30,21 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..base.errors import PackMemoryExhausted, UsageError, WeightdError
 from ..packs.build import HostPack
 from ..packs.cache import Lease
 from ..packs.layoutbuild import build_layout_packs
-from ..plan.declared import DeclaredLayout, LayoutGroup
+from ..plan.declared import LayoutGroup
 from ..plan.planner import RankPlan
 from ..registry.models import LoadedModel
 from ..store.residency import drop_cached
 from ..telemetry import logs
 from .layout_memory import LayoutMemory
 from .local_service import PackService, key_of, pack_label
+from .options import PrebuildOptions
 
 log = logging.getLogger("weightd.layouts")
-
-
-@dataclass(frozen=True)
-class PrebuildOptions:
-    """What ``weightd serve`` says about declared layouts (built in ``config/build.py``)."""
-
-    declared: tuple[DeclaredLayout, ...] = ()
-    #: Remember the layouts workers ask for, and build them at the next load.
-    remember: bool = True
-    #: Drop a model's shard pages from the page cache once its declared packs are built.
-    drop_shard_pages: bool = True
-    #: Threads a layout's build uses (None: every core).
-    threads: int | None = None
 
 
 class LayoutPrebuilder:
