@@ -30,12 +30,12 @@ import torch
 
 from weightd.common.cuda_driver import CudaDriver, CudaDriverError, canonical_uuid
 from weightd.common.digests import slice_digest
-from weightd.v1 import local_pb2 as lpb
 
 from .dlpack import KDL_CUDA, bytes_tensor
 from .errors import DataLossError, FailedPreconditionError, UnavailableError
 from .hashers import new_hasher
 from .local import LocalConnection
+from .localwire import Grant
 from .shm import pack_table
 
 log = logging.getLogger("weightd.client.cuda_ipc")
@@ -125,7 +125,7 @@ def _close(handle: bytes, conn: LocalConnection) -> None:
 
 
 def map_cuda_pack(
-    grant: lpb.PackGrant,
+    grant: Grant,
     conn: LocalConnection,
     *,
     device: torch.device,
@@ -178,7 +178,7 @@ def map_cuda_pack(
     return out
 
 
-def _verify(views: dict[str, torch.Tensor], grant: lpb.PackGrant) -> None:
+def _verify(views: dict[str, torch.Tensor], grant: Grant) -> None:
     """Hash every slice (copied to the host) against the table: slow, opt-in."""
     for e in grant.entries:
         t = views[e.name]

@@ -7,8 +7,10 @@ need the connection class, and the connection class stays about connections.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from weightd.v1 import weightd_pb2 as pb
+if TYPE_CHECKING:
+    from weightd.v1 import weightd_pb2 as pb
 
 
 @dataclass(frozen=True)

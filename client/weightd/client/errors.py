@@ -8,38 +8,76 @@ use the same classes with the code the daemon would have used.
 
 from __future__ import annotations
 
-import grpc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
+#: gRPC status codes by number (``grpc.StatusCode``'s names), so that an error from the
+#: side socket is typed without importing gRPC: a same-host fetch never loads it.
+STATUS_NAMES = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
 
 
 class WeightdError(Exception):
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    #: The status code's name (a ``grpc.StatusCode`` member's); :attr:`code` is the member.
+    code_name: str = "UNKNOWN"
     #: Set when the failure is a same-host transport's own ("shm", "cuda_ipc"): the
     #: request itself is fine and gRPC may serve it. None: the request failed.
     transport: str | None = None
 
     def __init__(
-        self, detail: str, code: grpc.StatusCode | None = None, *, transport: str | None = None
+        self,
+        detail: str,
+        code: grpc.StatusCode | str | None = None,
+        *,
+        transport: str | None = None,
     ) -> None:
         super().__init__(detail)
         self.detail = detail
         if code is not None:
-            self.code = code
+            self.code_name = code if isinstance(code, str) else code.name
         self.transport = transport
 
+    @property
+    def code(self) -> grpc.StatusCode:
+        """The ``grpc.StatusCode`` (gRPC is imported on first use, not with the client)."""
+        import grpc
+
+        found: grpc.StatusCode = getattr(grpc.StatusCode, self.code_name, grpc.StatusCode.UNKNOWN)
+        return found
+
     def __str__(self) -> str:
-        return f"{self.code.name}: {self.detail}"
+        return f"{self.code_name}: {self.detail}"
 
 
 class NotFoundError(WeightdError):
-    code = grpc.StatusCode.NOT_FOUND
+    code_name = "NOT_FOUND"
 
 
 class InvalidArgumentError(WeightdError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code_name = "INVALID_ARGUMENT"
 
 
 class FailedPreconditionError(WeightdError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code_name = "FAILED_PRECONDITION"
 
 
 class VocabPadUnsupportedError(FailedPreconditionError):
@@ -52,7 +90,7 @@ class VocabPadUnsupportedError(FailedPreconditionError):
 
 
 class DataLossError(WeightdError):
-    code = grpc.StatusCode.DATA_LOSS
+    code_name = "DATA_LOSS"
 
 
 class DigestMismatchError(DataLossError):
@@ -68,33 +106,33 @@ class DigestMismatchError(DataLossError):
 
 
 class ResourceExhaustedError(WeightdError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code_name = "RESOURCE_EXHAUSTED"
 
 
 class UnavailableError(WeightdError):
-    code = grpc.StatusCode.UNAVAILABLE
+    code_name = "UNAVAILABLE"
 
 
 class DeadlineExceededError(WeightdError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code_name = "DEADLINE_EXCEEDED"
 
 
 class AbortedError(WeightdError):
     """A resumed fetch named content the daemon no longer serves; fetch from the start."""
 
-    code = grpc.StatusCode.ABORTED
+    code_name = "ABORTED"
 
 
 class PermissionDeniedError(WeightdError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    code_name = "PERMISSION_DENIED"
 
 
 class UnauthenticatedError(WeightdError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    code_name = "UNAUTHENTICATED"
 
 
-_BY_CODE: dict[grpc.StatusCode, type[WeightdError]] = {
-    cls.code: cls
+_BY_NAME: dict[str, type[WeightdError]] = {
+    cls.code_name: cls
     for cls in (
         NotFoundError,
         InvalidArgumentError,
@@ -114,14 +152,11 @@ def from_rpc_error(error: grpc.RpcError) -> WeightdError:
     """The typed error for a failed call (``error`` must be a ``grpc.Call``)."""
     code: grpc.StatusCode = error.code()
     detail: str = error.details() or ""
-    cls = _BY_CODE.get(code, WeightdError)
+    cls = _BY_NAME.get(code.name, WeightdError)
     return cls(detail, code)
-
-
-_BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def error_for(code: int, detail: str, *, transport: str | None = None) -> WeightdError:
     """The typed error for a status number (as the side channel sends it)."""
-    status = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
-    return _BY_CODE.get(status, WeightdError)(detail, status, transport=transport)
+    name = STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else "UNKNOWN"
+    return _BY_NAME.get(name, WeightdError)(detail, name, transport=transport)
