@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,30 @@ pytestmark = pytest.mark.e2e
 
 def _events(log: str, name: str) -> list[str]:
     return [line for line in log.splitlines() if re.search(rf"\b{name}\b", line)]
+
+
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def _host_memory(url: str) -> dict[str, float]:
+    """The model's host-memory series from a scrape (``daemon/memory.py``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=30) as reply:  # loopback only
+        text = reply.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("model") == "demo"
+        and sample.name
+        in (
+            "weightd_shm_pack_resident_bytes",
+            "weightd_model_host_bytes",
+            "weightd_model_host_copies_ratio",
+            "weightd_model_resident_bytes",
+        )
+    }
 
 
 def _page_cache(directory: Path) -> tuple[int, int]:
@@ -51,7 +76,10 @@ def test_declared_layouts_are_built_before_serving_and_after_reload(
 ) -> None:
     directory = tmp_path / "model"
     shutil.copytree(demo_model, directory)
-    extra = ["--layout", "demo=tp=2", "--admin-listen", f"unix://{tmp_path}/run/admin.sock"]
+    extra = [
+        *("--layout", "demo=tp=2", "--admin-listen", f"unix://{tmp_path}/run/admin.sock"),
+        *("--metrics-listen", "127.0.0.1:0"),
+    ]
     with run_daemon(tmp_path, [("demo", directory)], extra) as daemon:
         log = daemon.log()
         built = _events(log, "pack_built")
@@ -67,11 +95,23 @@ def test_declared_layouts_are_built_before_serving_and_after_reload(
             (2, 0, True),
             (2, 1, True),
         ]
-        assert all(p.leases >= 1 for p in stats.packs)  # held: never aged out by the TTL
+        # Held by the daemon (never aged out by the TTL), not by a worker: no lease counted.
+        assert all(p.leases == 0 and not p.building for p in stats.packs)
 
         # One copy: the packs are resident, the shard pages were dropped (mincore).
         payload, cached = _page_cache(directory)
         assert cached < 0.05 * payload, (cached, payload)
+        # ... and the daemon says so: page cache plus packs is about one payload.
+        held = _host_memory(daemon.address("metrics"))
+        assert 0.99 * payload <= held["weightd_shm_pack_resident_bytes"] <= 1.05 * payload
+        assert 0.99 <= held["weightd_model_host_copies_ratio"] <= 1.1, held
+        if os.access(DROP_CACHES, os.W_OK):  # root: the packs survive drop_caches
+            with open(DROP_CACHES, "w") as f:
+                f.write("3\n")
+            after = _host_memory(daemon.address("metrics"))
+            assert (
+                after["weightd_shm_pack_resident_bytes"] == held["weightd_shm_pack_resident_bytes"]
+            )
 
         # The first worker of the declared layout maps the prebuilt pack.
         with Worker() as w:

@@ -52,7 +52,7 @@ from .collectors import (
     ShmPackState,
     adapter_metrics,
 )
-from .prebuilding import prebuilder_for, prepare_at_start
+from .prebuilding import prebuilder_for, prepare_at_start, register_host_memory
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 
 log = logging.getLogger("weightd")
@@ -292,6 +292,8 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)
+            if metrics_registry is not None and metrics is not None:
+                register_host_memory(metrics_registry, registry, daemon.local, metrics)
             daemon.prebuilder = prebuilder_for(config, daemon.local.service)
             daemon.reloader.prepare = daemon.prebuilder.prepare
         if metrics_registry is not None:

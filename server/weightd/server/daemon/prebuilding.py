@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import logging
 
+from prometheus_client import CollectorRegistry
+
 from ..base.errors import DataIntegrityError
 from ..config import ServeConfig, build
-from ..registry.models import LoadedModel
+from ..registry.models import LoadedModel, ModelRegistry
+from ..telemetry.metrics import Metrics
 from ..transports.layout_memory import LayoutMemory
+from ..transports.local_server import LocalServer
 from ..transports.local_service import PackService
 from ..transports.prebuild import LayoutPrebuilder
+from .collectors import ModelCollector
+from .memory import HostMemoryCollector
 
 log = logging.getLogger("weightd")
 
@@ -37,3 +43,15 @@ def prepare_at_start(prebuilder: LayoutPrebuilder | None, model: LoadedModel) ->
         if model.broken is None:
             model.broken = str(exc)
         log.error("model %s stops serving: %s", model.name, exc)
+
+
+def register_host_memory(
+    into: CollectorRegistry, registry: ModelRegistry, local: LocalServer, metrics: Metrics
+) -> None:
+    """Page cache plus shared memory per model, against its payload (``memory.py``)."""
+    shards = ModelCollector(registry, metrics.scrape_errors)
+    into.register(
+        HostMemoryCollector(
+            registry, shards.residency, local.service.host_pack_fds, metrics.scrape_errors
+        )
+    )

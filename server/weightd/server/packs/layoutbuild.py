@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import mmap
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -50,7 +51,7 @@ import numpy as np
 from weightd.common.digests import BLAKE3, format_digest
 from weightd.common.hugemap import map_aligned
 
-from ..base.cleanup import on_error
+from ..base.cleanup import on_error, release_frames
 from ..base.errors import DataIntegrityError
 from ..checkpoint.description import TensorInfo
 from ..plan.planner import RankPlan
@@ -119,13 +120,35 @@ class _Fill:
         self.verified = digests
         self.views = views
         self._local = threading.local()
+        self._maps: list[tuple[mmap.mmap, memoryview]] = []
+        self._lock = threading.Lock()
 
-    def scratch(self) -> memoryview:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = memoryview(bytearray(SCRATCH_BYTES))
+    def scratch(self, size: int = SCRATCH_BYTES) -> memoryview:
+        """This thread's scratch buffer (``size`` bytes where rows are longer).
+
+        Anonymous mappings, not ``bytearray``: freed, a 16 MiB heap block raises
+        glibc's mmap threshold and the next build's scratch stays in the heap for
+        good (a daemon building packs again and again grew by tens of MiB).
+        """
+        buf: memoryview | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            m = mmap.mmap(-1, max(size, SCRATCH_BYTES))
+            buf = memoryview(m)
+            with self._lock:
+                self._maps.append((m, buf))
             self._local.buf = buf
         return buf
+
+    def close(self) -> None:
+        """Unmap every scratch buffer (after the last fill ended)."""
+        with self._lock:
+            maps, self._maps = self._maps, []
+        for m, view in maps:
+            try:
+                view.release()
+                m.close()
+            except BufferError:  # still viewed (a failure's frames): freed with them
+                continue
 
     def region(self, t: Target, offset: int) -> memoryview:
         return self.views[t.pack][offset : offset + t.slice.nbytes]
@@ -190,9 +213,7 @@ class _Fill:
                 raise DataIntegrityError(
                     f"tensor {tensor.name!r}: rank patterns disagree on row layout"
                 )
-        scratch = self.scratch()
-        if stride > len(scratch):  # rows longer than the scratch: one row at a time
-            scratch = memoryview(bytearray(stride))
+        scratch = self.scratch(stride)  # rows longer than the scratch: one row at a time
         step = max(1, len(scratch) // stride) * stride if strided else len(scratch)
         whole = blake3.blake3()
         grids = [
@@ -300,7 +321,11 @@ def build_rank_packs(
                 min(workers, max(1, len(order))), thread_name_prefix="weightd-pack-build"
             ) as pool:
                 list(pool.map(one, order))  # the first failure raises after every fill ended
+        except BaseException as exc:
+            release_frames(exc)  # its frames' views of the scratch and the packs go now
+            raise
         finally:
+            fill.close()
             for v in views:
                 v.release()
             views.clear()

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import replace
 from typing import Final
@@ -120,6 +121,10 @@ class PackService:
         self.boot_id = uuid.uuid4().hex
         #: Where the layouts workers ask for are remembered (None: nowhere).
         self.memory: LayoutMemory | None = None
+        #: Pack id -> leases the daemon itself holds (declared layouts, ``prebuild``):
+        #: not a worker's, so stats and metrics count them apart.
+        self._daemon_holds: Counter[int] = Counter()
+        self._holds_lock = threading.Lock()
         counter = itertools.count(1)
         id_lock = threading.Lock()
 
@@ -143,14 +148,37 @@ class PackService:
         if adapters is not None:
             adapters.registry.on_drop(self._adapter_dropped)
 
+    def hold(self, lease: Lease[HostPack], held: bool) -> None:
+        """Count ``lease`` as the daemon's own (``held``) or no longer (prebuild's)."""
+        with self._holds_lock:
+            self._daemon_holds[lease.pack_id] += 1 if held else -1
+            if self._daemon_holds[lease.pack_id] <= 0:
+                del self._daemon_holds[lease.pack_id]
+
+    def _holds(self) -> Counter[int]:
+        with self._holds_lock:
+            return Counter(self._daemon_holds)
+
     def host_usage(self) -> dict[str, tuple[int, int]]:
-        """Model name -> (bytes, leases) of its shared-memory packs, for the metrics."""
+        """Model name -> (bytes, worker leases) of its shared-memory packs, for the metrics."""
         usage: dict[str, tuple[int, int]] = {}
+        holds = self._holds()
         for state in self.host.states():
             if isinstance(state.info, PackInfo) and state.info.adapter is None:
                 size, leases = usage.get(state.info.model, (0, 0))
-                usage[state.info.model] = (size + state.size, leases + state.leases)
+                workers = state.leases - holds[state.pack_id]
+                usage[state.info.model] = (size + state.size, leases + workers)
         return usage
+
+    def host_pack_fds(self) -> dict[str, list[tuple[int, int]]]:
+        """Model name -> ``(memfd, size)`` of its built shared-memory packs (a scrape's
+        residency question; a pack freed meanwhile makes that question fail, not lie)."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for state in self.host.states():
+            info, pack = state.info, state.pack
+            if isinstance(info, PackInfo) and info.adapter is None and isinstance(pack, HostPack):
+                out.setdefault(info.model, []).append((pack.fd, pack.size))
+        return out
 
     def adapter_usage(self) -> tuple[int, int, int]:
         """(packs, bytes, leases) of adapter packs in every placement, for the metrics."""
@@ -398,10 +426,12 @@ class PackService:
             cuda_budget_bytes=sum(c.budget_bytes for c in self.gpu.values()),
             connections=self.connections(),
         )
+        holds = self._holds()
         for cache in self._caches():
             out.builds_total += cache.builds_total
             out.evictions_total += cache.evictions_total
             for s in cache.states():
+                held = holds[s.pack_id] if cache is self.host else 0
                 info = s.info
                 assert isinstance(info, PackInfo)
                 out.packs.add(
@@ -411,13 +441,13 @@ class PackService:
                     placement=info.placement,
                     gpu_uuid=info.gpu_uuid,
                     size_bytes=s.size,
-                    leases=s.leases,
+                    leases=s.leases - held,  # workers' (the daemon's own: ``declared``)
                     idle_seconds=s.idle_seconds,
                     pinned=isinstance(s.pack, HostPack) and s.pack.pinned,
                     adapter=info.adapter.name if info.adapter else "",
                     adapter_version=info.adapter.version if info.adapter else 0,
                     building=s.building,
-                    declared=info.declared,
+                    declared=held > 0,
                 )
         return out
 

@@ -106,14 +106,14 @@ class LayoutPrebuilder:
                 built.append(str(group))
         except BaseException:
             for lease in leases:
-                lease.release()
+                self._let_go(lease)
             raise
         with self._lock:
             old = self._held.pop(model.name, [])
             if leases:
                 self._held[model.name] = leases
         for lease in old:  # the version this one replaces: its packs age out by their TTL
-            lease.release()
+            self._let_go(lease)
         if not built:
             return
         dropped = self.options.drop_shard_pages
@@ -154,19 +154,23 @@ class LayoutPrebuilder:
         leases: list[Lease[HostPack]] = []
         try:
             for i, plan in enumerate(plans):
-                leases.append(
-                    self.packs.host_lease(
-                        model, plan, build=functools.partial(build, i), declared=True
-                    )
+                lease = self.packs.host_lease(
+                    model, plan, build=functools.partial(build, i), declared=True
                 )
+                self.packs.hold(lease, True)
+                leases.append(lease)
         except BaseException:
             for lease in leases:
-                lease.release()
+                self._let_go(lease)
             raise
         finally:
             for pack in stash.values():  # built, but another asker's pack won the slot
                 pack.close()
         return leases
+
+    def _let_go(self, lease: Lease[HostPack]) -> None:
+        self.packs.hold(lease, False)
+        lease.release()
 
     def held(self, model: str) -> int:
         """Bytes of declared packs held for ``model`` (for reports)."""
@@ -178,4 +182,4 @@ class LayoutPrebuilder:
             held = [lease for leases in self._held.values() for lease in leases]
             self._held.clear()
         for lease in held:
-            lease.release()
+            self._let_go(lease)
