@@ -296,6 +296,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
                 register_host_memory(metrics_registry, registry, daemon.local, metrics)
             daemon.prebuilder = prebuilder_for(config, daemon.local.service)
             daemon.reloader.prepare = daemon.prebuilder.prepare
+            service.after_fetch = daemon.prebuilder.after_read
         if metrics_registry is not None:
             adapter_service.metrics = adapter_metrics(
                 metrics_registry, adapter_service, daemon.local

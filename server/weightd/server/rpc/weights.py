@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -66,6 +66,10 @@ class WeightsService:
         self.adapters = adapters
         #: ``weightd_fetch_resumes_total``: how often restarts cost clients a resume.
         self.resumes = resumes
+        #: Runs when a Fetch stream of a model ends (how it ended aside): where the
+        #: model's packs are its resident copy, the shard pages it read are dropped
+        #: again (``transports/prebuild.py``).
+        self.after_fetch: Callable[[LoadedModel], None] | None = None
 
     def _adapters(self) -> Adapters:
         if self.adapters is None:
@@ -209,6 +213,9 @@ class WeightsService:
             if not isinstance(exc, WeightdError) and not context.is_active():
                 return  # the client went away mid-stream; nothing to report to anyone
             abort(context, exc, "Fetch")
+        finally:
+            if model is not None and self.after_fetch is not None:
+                self.after_fetch(model)
 
     def _count_resume(self, model: str, outcome: str) -> None:
         if self.resumes is not None:

@@ -168,6 +168,17 @@ class LayoutPrebuilder:
                 pack.close()
         return leases
 
+    def after_read(self, model: LoadedModel) -> None:
+        """A gRPC stream of ``model`` ended: if its packs are its resident copy, drop the
+        shard pages that stream brought back (they would be the second copy)."""
+        if not self.options.drop_shard_pages:
+            return
+        with self._lock:
+            one_copy = bool(self._held.get(model.name))
+        if one_copy:
+            for shard in model.store.shards.values():
+                drop_cached(shard.fd)
+
     def _let_go(self, lease: Lease[HostPack]) -> None:
         self.packs.hold(lease, False)
         lease.release()
