@@ -190,3 +190,34 @@ def test_sample_ranges_are_the_edges_of_each_tensor() -> None:
     assert sample_ranges(100) == [(0, 100)]
     assert sample_ranges(8192) == [(0, 8192)]
     assert sample_ranges(10_000) == [(0, 4096), (10_000 - 4096, 4096)]
+
+
+def test_the_loader_refuses_unproven_shards_unless_the_operator_opts_out(
+    pair: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    from weightd.vllm.errors import WeightdLoadError
+    from weightd.vllm.loader import check_identity
+    from weightd.vllm.options import parse_options
+
+    base, finetune = pair
+    served = _described(base)
+    bare = dataclasses.replace(
+        served,
+        files=tuple(
+            FileDigest(f.name, f.size, f.sha256 if f.name.endswith(".json") else "")
+            for f in served.files
+        ),
+    )
+    shards = sorted(p.name for p in base.glob("*.safetensors"))
+    with pytest.raises(WeightdLoadError, match="cannot prove") as err:
+        check_identity(base, bare, parse_options({"target": "unix:///x"}), "here")
+    assert all(s in str(err.value) for s in shards) and "identity='warn'" in str(err.value)
+    warn = parse_options({"target": "unix:///x", "identity": "warn"})
+    with caplog.at_level("WARNING", logger="vllm.weightd"):
+        proven = check_identity(base, bare, warn, "here")
+    assert sorted(proven) == shards and all(v.startswith("UNCHECKED") for v in proven.values())
+    [line] = [r.getMessage() for r in caplog.records if "IDENTITY NOT CHECKED" in r.getMessage()]
+    assert all(s in line for s in shards)
+    # The opt-out covers what cannot be checked, never what was found to differ.
+    with pytest.raises(WeightdLoadError, match="sampled tensor bytes hash to"):
+        check_identity(base, _described(finetune), warn, "here")
