@@ -74,11 +74,26 @@ def _patch(module):
         inner = self.load_weights
 
         def timed(model, model_config):
+            # The model's own load_weights too: vLLM copying the weights it is given
+            # into its parameters (for a loader that streams from files, its reads too).
+            own = model.load_weights
+            spent = [0.0]
+
+            def model_load_weights(weights):
+                began = time.perf_counter()
+                try:
+                    return own(weights)
+                finally:
+                    spent[0] += time.perf_counter() - began
+
+            model.load_weights = model_load_weights
             started = time.perf_counter()
             try:
                 return inner(model, model_config)
             finally:
+                del model.load_weights
                 print(f"BENCH load_weights {time.perf_counter() - started:.4f}", flush=True)
+                print(f"BENCH model.load_weights {spent[0]:.4f}", flush=True)
 
         self.load_weights = timed
         try:
@@ -203,8 +218,15 @@ def run_one(args: argparse.Namespace, env: dict[str, str], tp: int, loader: str)
         proc = subprocess.run(
             cmd, check=False, capture_output=True, text=True, timeout=args.timeout, env=env
         )
-    except subprocess.TimeoutExpired:
-        return {"tp": tp, "loader": loader, "error": f"timed out after {args.timeout} s"}
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stdout or b"")[-400:]
+        text = tail.decode(errors="replace") if isinstance(tail, bytes) else str(tail)
+        return {
+            "tp": tp,
+            "loader": loader,
+            "load_avg": load,
+            "error": f"timed out after {args.timeout} s; its output ended: {text!r}",
+        }
     log = proc.stdout + proc.stderr  # vLLM's workers log to stdout
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -213,11 +235,13 @@ def run_one(args: argparse.Namespace, env: dict[str, str], tp: int, loader: str)
     result = json.loads(line[len("RESULT ") :])
     timed = [float(x) for x in re.findall(r"BENCH load_weights ([\d.]+)", log)]
     own = [float(x) for x in re.findall(r"Loading weights took ([\d.]+) seconds", log)]
+    into = [float(x) for x in re.findall(r"BENCH model.load_weights ([\d.]+)", log)]
     result.update(
         tp=tp,
         loader=loader,
         load_s=max(timed) if timed else None,
         vllm_line_s=max(own) if own else None,
+        model_load_weights_s=max(into) if into else None,
         load_avg=load,
     )
     return result
@@ -309,24 +333,29 @@ def table(results: list[dict], payload: int) -> str:
         if r.get("loader") == "auto" and r.get("load_s"):
             by_case[(r["tp"], r["case"])] = r["load_s"]
     rows = [
-        "| TP | case | loader | weights loaded (s) | vs default | vLLM's line (s) | "
-        "LLM() to 1st token (s) | page cache (GB) | packs (GB) | workers private (GB) | "
-        "weights in host memory / payload | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TP | case | loader | weights loaded (s) | vs default | of which model.load_weights "
+        "(s) | vLLM's line (s) | LLM() to 1st token (s) | page cache (GB) | packs (GB) | "
+        "workers private (GB) | weights in host memory / payload | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         head = f"| {r['tp']} | {r['case']} | {r['loader']} "
         if "error" in r:
-            rows.append(head + f"| error: {r['error'][-160:]} |||||||||")
+            rows.append(head + f"| error: {r['error'][-160:]} ||||||||||")
             continue
         base = by_case.get((r["tp"], r["case"]))
         ratio = f"{r['load_s'] / base:.2f}x" if base and r["load_s"] else ""
         private = sum(w["private"] for w in r["workers"])
-        held = (r["page_cache"] + r["shm"]) / payload
+        # A host running another loader has no daemon: its copy is the page cache alone
+        # (the packs column is the bench's daemon, idle meanwhile).
+        shm = r["shm"] if r["loader"] == "weightd" else 0
+        held = (r["page_cache"] + shm) / payload
         own = f"{r['vllm_line_s']:.2f}" if r["vllm_line_s"] is not None else ""
+        inner = r.get("model_load_weights_s")
+        into = f"{inner:.2f}" if inner is not None else ""
         rows.append(
-            head + f"| {r['load_s']:.2f} | {ratio} | {own} | {r['first_token_s']:.1f} | "
-            f"{r['page_cache'] / 1e9:.2f} | {r['shm'] / 1e9:.2f} | {private / 1e9:.2f} | "
+            head + f"| {r['load_s']:.2f} | {ratio} | {into} | {own} | {r['first_token_s']:.1f} | "
+            f"{r['page_cache'] / 1e9:.2f} | {shm / 1e9:.2f} | {private / 1e9:.2f} | "
             f"{held:.2f} | {r['load_avg']:.1f} |"
         )
     return "\n".join(rows)
