@@ -74,6 +74,35 @@ def test_client_imports_and_fetches_without_server_dependencies(tmp_path: Path) 
         assert done.stdout.startswith("ok ")
 
 
+def test_a_same_host_fetch_imports_neither_grpc_nor_protobuf(tmp_path: Path) -> None:
+    """A fresh worker's first fetch from a prebuilt pack loads only what it uses: the side
+    socket's messages are coded by hand (``localwire``), gRPC and the generated stubs load
+    with the first gRPC call (bench/fresh_fetch.py times it)."""
+    with run_daemon(tmp_path, [], ["--layout", "tp=2"]) as daemon:
+        script = textwrap.dedent(
+            f"""
+            import sys
+            import torch
+            from weightd.client import WeightClient
+            client = WeightClient({daemon.target!r})
+            state, info = client.fetch_with_info(1, 2)
+            assert info.transport == "shm" and not info.pack.built, info
+            assert len(state) == 39, len(state)
+            loaded = sorted(
+                m for m, v in sys.modules.items()
+                if v is not None and m.split(".")[0] in ("grpc", "google", "grpc_health")
+                or m.startswith("weightd.v1")
+            )
+            print("loaded", loaded)
+            """
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "loaded []"
+
+
 @pytest.mark.parametrize(
     ("setup", "needle"),
     [

@@ -203,7 +203,7 @@ def test_pinned_staging(daemon: RunningDaemon, gpu_big_model: Path) -> None:
         conn.close()
 
     from weightd.common.cuda_driver import CudaDriver
-    from weightd.server.packs.build import build_host_pack
+    from weightd.server.packs.layoutbuild import build_host_pack
     from weightd.server.registry.models import load_model
     from weightd.server.transports.pinned import HostPinner
 

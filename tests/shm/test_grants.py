@@ -8,6 +8,7 @@ written down by the daemon's :func:`answer` and mapped by the client's
 from __future__ import annotations
 
 import gc
+import hashlib
 import itertools
 import mmap
 import os
@@ -18,8 +19,9 @@ import pytest
 import torch
 
 from weightd.client import shm
-from weightd.server.packs.build import HostPack, PackEntry, build_host_pack, layout_pack
+from weightd.server.packs.build import HostPack, PackEntry, layout_pack
 from weightd.server.packs.cache import Lease, PackCache
+from weightd.server.packs.layoutbuild import build_host_pack
 from weightd.server.registry.models import load_model
 from weightd.server.transports.grants import PackInfo, answer
 from weightd.v1 import local_pb2 as lpb
@@ -77,12 +79,20 @@ def test_whole_table_and_named_entries_are_the_packs_table(
     pack = lease.pack
     want = [_expected_entry(e) for e in pack.entries]
     for _ in range(2):  # the second answer comes from the cached table
-        grant = answer("boot", lease, []).response.grant
+        grant = answer("boot", lease, [], ["blake3", "sha256"]).response.grant
         assert list(grant.entries) == want
         assert grant.size_bytes == pack.size and grant.pack_id == lease.pack_id
         assert grant.huge_pages is pack.huge
+    # A client that names no kind predates the choice and checks SHA-256: its table is
+    # hashed from the sealed pack, every entry the SHA-256 of exactly its bytes.
+    for _ in range(2):
+        old = answer("boot", lease, []).response.grant
+        for e, got in zip(pack.entries, old.entries, strict=True):
+            region = pack.mapping[e.offset : e.offset + e.nbytes]
+            assert got.digest == "sha256:" + hashlib.sha256(region).hexdigest(), e.name
+            assert got.name == e.name and got.offset == e.offset
     names = [e.name for e in reversed(pack.entries)][:3]
-    named = answer("boot", lease, names).response.grant
+    named = answer("boot", lease, names, ["blake3"]).response.grant
     assert [e.name for e in named.entries] == names  # in the order asked, only those
     assert list(named.entries) == [w for n in names for w in want if w.name == n]
 

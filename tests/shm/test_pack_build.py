@@ -5,14 +5,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.smaps import pmd_mapped_bytes
 from weightd.server.base.errors import DataIntegrityError
-from weightd.server.packs.build import PACK_ALIGN, PACK_SEALS, build_host_pack
+from weightd.server.packs.build import PACK_ALIGN, PACK_SEALS
 from weightd.server.packs.hugepages import SHMEM_ENABLED, shmem_mode
+from weightd.server.packs.layoutbuild import build_host_pack
 from weightd.server.registry.models import load_model
 
 
@@ -46,7 +48,7 @@ def test_pack_holds_exactly_the_verified_slices(demo_model: Path, huge_mode: str
                 assert e.offset % PACK_ALIGN == 0 and e.nbytes == s.nbytes
                 want = b"".join(model.store.iter_pattern(s.shard, s.pattern, 1 << 20))
                 assert pack.mapping[e.offset : e.offset + e.nbytes] == want, e.name
-                assert e.digest == model.slice_anchor(s, plan.layout)
+                assert e.digest == model.slice_anchor(s, plan.layout, "blake3")
             # Sealed: nobody, the daemon included, can write, shrink or grow it.
             for attempt in (
                 lambda: os.pwrite(pack.fd, b"x", 0),
@@ -63,20 +65,26 @@ def test_pack_holds_exactly_the_verified_slices(demo_model: Path, huge_mode: str
         model.store.close()
 
 
-def test_bytes_that_do_not_match_the_anchor_are_never_published(
-    demo_model: Path, monkeypatch: pytest.MonkeyPatch
+def test_bytes_that_are_not_the_verified_ones_are_never_published(
+    demo_model: Path, tmp_path: Path
 ) -> None:
-    model = load_model(str(demo_model))
+    """A shard rewritten in place after verification (same size, mtime put back, so
+    only the bytes tell): the build's proof fails, and nothing it made stays open."""
+    copy = tmp_path / "model"
+    shutil.copytree(demo_model, copy)
+    model = load_model(str(copy))
     try:
         plan = model.plan(2, 0)
+        victim = max(plan.slices, key=lambda s: s.nbytes)
+        tensor = model.checkpoint.tensors[victim.name]
+        path = copy / tensor.shard
+        st = path.stat()
+        with open(path, "r+b") as f:
+            f.seek(tensor.offset)
+            f.write(bytes(b ^ 0xFF for b in f.read(64)))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         before = _open_fds()
-
-        def wrong_anchor(*_: object) -> str:
-            return "sha256:" + "0" * 64
-
-        monkeypatch.setattr(model, "slice_anchor", wrong_anchor)
-
-        with pytest.raises(DataIntegrityError, match="bytes copied into pack test:tp2:r0 hash"):
+        with pytest.raises(DataIntegrityError, match="bytes read into the packs hash to"):
             build_host_pack(model, plan, "test:tp2:r0")
         assert _open_fds() == before  # the memfd and its mappings are gone
     finally:

@@ -79,6 +79,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, vllm_python: Path) -> 
         model = build_model(kind, overrides).to(torch.bfloat16)
         model.save_pretrained(root / name, max_shard_size="400KB")
         out[name] = root / name
+    # A fine-tune of the llama: the same config, index and shard sizes, other weights.
+    kind, overrides = MODELS["llama"]
+    build_model(kind, overrides, seed=1).to(torch.bfloat16).save_pretrained(
+        root / FINETUNE, max_shard_size="400KB"
+    )
+    out[FINETUNE] = root / FINETUNE
     return out
 
 
@@ -86,7 +92,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, vllm_python: Path) -> 
 def daemon(
     tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[str, Path]
 ) -> Iterator[RunningDaemon]:
-    with run_daemon(tmp_path_factory.mktemp("vllm-daemon"), sorted(checkpoints.items())) as d:
+    with run_daemon(
+        tmp_path_factory.mktemp("vllm-daemon"), sorted(checkpoints.items()), DECLARED
+    ) as d:
         yield d
 
 
@@ -102,6 +110,17 @@ def old_daemon(
 
 
 EngineResult = dict[str, Any]
+
+#: The session daemon's checkpoint with the llama's shapes and other weights.
+FINETUNE = "llama_ft"
+#: Every layout these engines ask for, declared: their packs are built before the
+#: daemon reports SERVING, so each engine's first load maps a prebuilt pack (vLLM asks
+#: for vocab_pad 64 above TP=1; the pipeline test splits 2 layers 1+1).
+DECLARED = [
+    *("--layout", "tp=1"),
+    *("--layout", "tp=2,vocab_pad=64"),
+    *("--layout", "tp=1,pp=2,pp_layers=1+1"),
+]
 
 
 @pytest.fixture(scope="session")
@@ -122,14 +141,14 @@ def engine(
         env = dict(os.environ)
         if tp == 2:  # one core per worker (vLLM's CPU workers bind threads per NUMA node)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-        other = next(n for n in checkpoints if n != name)
+        other = next(n for n in checkpoints if n not in (name, FINETUNE))
         cmd = [
             str(vllm_python),
             str(Path(__file__).with_name("engine_run.py")),
             *("--dir", str(checkpoints[name]), "--tp", str(tp), "--target", daemon.target),
             *("--model", name, "--other-model", other, "--out", str(out)),
             *(
-                ["--checks", "--loaders", "weightd,auto,fallback"]
+                ["--checks", "--finetune-model", FINETUNE, "--loaders", "weightd,auto,fallback"]
                 if (name, tp) == ("llama", 1)
                 else []
             ),

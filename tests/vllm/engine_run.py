@@ -54,6 +54,8 @@ def load_report(worker: Any) -> dict[str, Any] | None:
         "shapes": {k: [list(a), list(b)] for k, (a, b) in report.shapes.items()},
         "vocab_blocks": [list(x) for x in report.vocab_blocks],
         "fallback": report.fallback,
+        "identity": dict(report.identity),
+        "pack_built": report.pack_built,
     }
 
 
@@ -123,6 +125,8 @@ def run_engine(args: argparse.Namespace, load_format: str) -> dict[str, Any]:
             name: llm.collective_rpc(try_load, args=(extra_cfg,))
             for name, extra_cfg in {
                 "other_checkpoint": {"target": args.target, "model": args.other_model},
+                # Same config, index and shard sizes; other weights.
+                "finetune": {"target": args.target, "model": args.finetune_model},
                 "daemon_down": {"target": DOWN, "timeout": 5},
                 "not_served": {"target": args.target, "model": "no-such-model"},
             }.items()
@@ -146,6 +150,7 @@ def main() -> None:
     ap.add_argument("--target", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--other-model", default="")
+    ap.add_argument("--finetune-model", default="")
     ap.add_argument("--old-target", default="")
     ap.add_argument("--loaders", default="weightd,auto")
     ap.add_argument("--checks", action="store_true")

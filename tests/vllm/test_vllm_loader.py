@@ -109,6 +109,14 @@ def test_a_wrong_checkpoint_a_daemon_down_and_an_unknown_model_are_refused(
     )
     assert "config.json: sha256 " in other["error"]
     assert " in the model directory, sha256 " in other["error"]
+    # A fine-tune of the same base: config, index and shard sizes equal, weights not.
+    [finetune] = checks["finetune"]
+    assert finetune["error"].startswith(
+        f"WeightdLoadError: weightd at {daemon.target}, model 'llama_ft', layout tp 0/1: the "
+        "daemon's model 'llama_ft' is not the checkpoint in "
+    )
+    assert "config.json" not in finetune["error"]  # the same config and index
+    assert ".safetensors: sampled tensor bytes hash to edges4k-sha256:" in finetune["error"]
     [down] = checks["daemon_down"]
     assert down["error"].startswith(
         f"WeightdLoadError: weightd at {DOWN}, model (the "
@@ -137,3 +145,22 @@ def test_fallback_disk_loads_with_vllms_loader_and_says_so(engine: Engine) -> No
 def test_refused_checks_left_the_running_model_untouched(engine: Engine) -> None:
     ours = engine("llama", 1)["weightd"]
     assert ours["digests_after_checks"] == ours["digests"]
+
+
+@pytest.mark.parametrize(("model", "tp"), CASES)
+def test_the_first_load_of_a_declared_layout_maps_the_pack_built_at_start(
+    engine: Engine, daemon: RunningDaemon, model: str, tp: int
+) -> None:
+    """The session daemon declares every layout these engines ask for: each engine's
+    first weightd load maps a pack the daemon built before it reported SERVING (its
+    request built nothing), and every shard of DIR was proven to be the daemon's file
+    (the same file on this host) before a byte was loaded."""
+    reports = engine(model, tp)["weightd"]["reports"]
+    log = daemon.log()
+    for rank, report in enumerate(reports):
+        assert report["transport"] == "shm"
+        assert report["pack_built"] is False
+        label = f"tp{tp}:r{rank}" + (":v64" if tp > 1 else "")
+        built = f"pack_built model={model} layout={label} "
+        assert built in log and log.index(built) < log.index("weightd: serving models=")
+        assert report["identity"] and set(report["identity"].values()) == {"same file"}

@@ -13,7 +13,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .client import WeightClient
-from .descriptions import FileDigest, ModelDescription, ModelInfo, TensorInfo
 from .errors import (
     AbortedError,
     AccessDenied,
@@ -56,16 +55,30 @@ from .errors import (
     WorkerOnly,
 )
 from .layout import Layout
-from .retry import RetryPolicy, RetryStats
-from .tls import tls_credentials
 from .transports import FetchInfo, PackRef, TransportFailure
 
 if TYPE_CHECKING:
     from .admin import AdminClient, ReloadResult
+    from .descriptions import FileDigest, ModelDescription, ModelInfo, TensorInfo
     from .resumable import ResumeReport
+    from .retry import RetryPolicy, RetryStats
+    from .tls import tls_credentials
 
-#: Names whose modules import torch, loaded on first use (PEP 562).
-_WITH_TORCH = {"AdminClient": ".admin", "ReloadResult": ".admin", "ResumeReport": ".resumable"}
+#: Names loaded on first use (PEP 562): those whose modules import torch, and those a
+#: worker's same-host fetch never needs (it imports only what it uses: a fresh
+#: process's first fetch is timed in milliseconds, each module costs some).
+_WITH_TORCH = {
+    "AdminClient": ".admin",
+    "ReloadResult": ".admin",
+    "ResumeReport": ".resumable",
+    "FileDigest": ".descriptions",
+    "ModelDescription": ".descriptions",
+    "ModelInfo": ".descriptions",
+    "TensorInfo": ".descriptions",
+    "tls_credentials": ".tls",
+    "RetryPolicy": ".retry",
+    "RetryStats": ".retry",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -21,9 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Final
-
-import grpc
+from typing import TYPE_CHECKING, Final
 
 from weightd.common.addresses import AddressError, target_or_default
 from weightd.common.sockets import default_socket_path, socket_path_for
@@ -37,6 +35,9 @@ from .errors import (
     from_rpc_error,
 )
 from .transports import SIDE_SOCKET_SUFFIX
+
+if TYPE_CHECKING:  # a same-host fetch never loads gRPC
+    import grpc
 
 #: Substrings of gRPC's UNAVAILABLE details that mean no connection was made, as
 #: opposed to a daemon that answered UNAVAILABLE itself (a model still verifying).
@@ -96,13 +97,14 @@ def missing_socket(target: str) -> DaemonUnreachable | None:
     )
 
 
-def peer_error(target: str, code: grpc.StatusCode, detail: str) -> WeightdError | None:
+def peer_error(target: str, code: grpc.StatusCode | str, detail: str) -> WeightdError | None:
     """One line for a call that reached no weightd daemon at ``target`` (None: it did).
 
     Only statuses without a daemon's reason come here: a daemon's own UNAVAILABLE (a
-    model still verifying) keeps its words.
+    model still verifying) keeps its words. ``code``: the status code or its name.
     """
-    if code is grpc.StatusCode.UNIMPLEMENTED and "method not found" in detail.lower():
+    name = code if isinstance(code, str) else code.name
+    if name == "UNIMPLEMENTED" and "method not found" in detail.lower():
         return MethodNotServed(
             f"the server at {target} does not serve this call ({detail}): a daemon older "
             "than this client, the admin socket of one, or not a weightd daemon. Workers "
@@ -110,7 +112,7 @@ def peer_error(target: str, code: grpc.StatusCode, detail: str) -> WeightdError 
             f"unix://{default_socket_path()}); admin calls go to its admin.sock",
             reason="MethodNotServed",
         )
-    if code is not grpc.StatusCode.UNAVAILABLE:
+    if name != "UNAVAILABLE":
         return None
     lowered = detail.lower()
     if not_connected(detail) and any(s in lowered for s in _NOT_GRPC):
@@ -150,7 +152,7 @@ def said_plainly(target: str) -> Iterator[None]:
     except WeightdError as exc:
         if exc.reason:
             raise
-        plain = peer_error(target, exc.code, exc.detail)
+        plain = peer_error(target, exc.code_name, exc.detail)
         if plain is None:
             raise
         plain.transport = exc.transport
@@ -162,4 +164,4 @@ def from_call(error: grpc.RpcError, target: str) -> WeightdError:
     typed = from_rpc_error(error)
     if typed.reason:
         return typed
-    return peer_error(target, typed.code, typed.detail) or typed
+    return peer_error(target, typed.code_name, typed.detail) or typed

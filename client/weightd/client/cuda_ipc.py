@@ -22,7 +22,6 @@ the same GPUs (any order: matched by UUID).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -31,11 +30,12 @@ import torch
 
 from weightd.common.cuda_driver import CudaDriver, CudaDriverError, canonical_uuid
 from weightd.common.digests import slice_digest
-from weightd.v1 import local_pb2 as lpb
 
 from .dlpack import KDL_CUDA, bytes_tensor
 from .errors import DataLossError, FailedPreconditionError, UnavailableError
+from .hashers import new_hasher
 from .local import LocalConnection
+from .localwire import Grant
 from .shm import pack_table
 
 log = logging.getLogger("weightd.client.cuda_ipc")
@@ -125,7 +125,7 @@ def _close(handle: bytes, conn: LocalConnection) -> None:
 
 
 def map_cuda_pack(
-    grant: lpb.PackGrant,
+    grant: Grant,
     conn: LocalConnection,
     *,
     device: torch.device,
@@ -178,16 +178,20 @@ def map_cuda_pack(
     return out
 
 
-def _verify(views: dict[str, torch.Tensor], grant: lpb.PackGrant) -> None:
+def _verify(views: dict[str, torch.Tensor], grant: Grant) -> None:
     """Hash every slice (copied to the host) against the table: slow, opt-in."""
     for e in grant.entries:
         t = views[e.name]
-        h = hashlib.sha256()
+        kind = e.digest.partition(":")[0]
+        try:
+            h = new_hasher(kind)
+        except ValueError as exc:
+            raise DataLossError(f"pack {grant.pack_id}: tensor {e.name!r}: {exc}") from None
         if e.nbytes:
             host = t.reshape(-1).view(torch.uint8).cpu()
             # A ctypes array over the host copy: the buffer protocol without NumPy.
-            h.update((ctypes.c_char * e.nbytes).from_address(host.data_ptr()))
-        actual = slice_digest(h)
+            h.update(memoryview((ctypes.c_char * e.nbytes).from_address(host.data_ptr())).cast("B"))
+        actual = slice_digest(h, kind)
         if actual != e.digest:
             raise DataLossError(
                 f"pack {grant.pack_id}: tensor {e.name!r} on the GPU hashes to {actual}, the "

@@ -7,8 +7,10 @@ need the connection class, and the connection class stays about connections.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from weightd.v1 import weightd_pb2 as pb
+if TYPE_CHECKING:
+    from weightd.v1 import weightd_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,13 @@ class FileDigest:
     name: str  # relative to the model directory
     size: int
     sha256: str  # lowercase hex; "" when the daemon did not hash the whole file
+    #: The file the daemon holds open (0 from daemons that predate the fields): on the
+    #: same host (``ModelDescription.host_boot_id``) equal values mean the same file.
+    device: int = 0
+    inode: int = 0
+    mtime_ns: int = 0
+    #: A shard's sampled digest (``weightd.common.sampling``); "" when not sent.
+    sample_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,8 @@ class ModelDescription:
     files: tuple[FileDigest, ...] = ()
     #: Identity of the served content (config and every verified tensor digest).
     model_fingerprint: str = ""
+    #: The daemon host's boot id ("" when not sent).
+    host_boot_id: str = ""
 
 
 def model_info_of(m: pb.ModelSummary) -> ModelInfo:
@@ -73,6 +84,10 @@ def description_of(d: pb.ModelDescription) -> ModelDescription:
             TensorInfo(t.name, t.dtype, tuple(t.shape), t.shard, t.nbytes, t.digest)
             for t in d.tensors
         ),
-        tuple(FileDigest(f.name, f.size, f.sha256) for f in d.files),
+        tuple(
+            FileDigest(f.name, f.size, f.sha256, f.device, f.inode, f.mtime_ns, f.sample_digest)
+            for f in d.files
+        ),
         d.model_fingerprint,
+        d.host_boot_id,
     )

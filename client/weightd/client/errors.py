@@ -28,9 +28,32 @@ import re
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import grpc
+if TYPE_CHECKING:  # a same-host fetch never loads gRPC: codes are kept by name
+    import grpc
+
+#: gRPC status codes by number (``grpc.StatusCode``'s names), so that an error from the
+#: side socket is typed without importing gRPC: a same-host fetch never loads it.
+STATUS_NAMES: Final = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
 
 #: ``ErrorInfo.domain`` of the daemon's statuses.
 DOMAIN: Final = "weightd.dev"
@@ -51,7 +74,8 @@ class WeightdError(Exception):
     ``str(error)`` is ``"CODE: detail"``.
     """
 
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    #: The status code's name (a ``grpc.StatusCode`` member's); :attr:`code` is the member.
+    code_name: str = "UNKNOWN"
     #: Set when the failure is a same-host transport's own ("shm", "cuda_ipc"): the
     #: request itself is fine and gRPC may serve it. None: the request failed.
     transport: str | None = None
@@ -59,7 +83,7 @@ class WeightdError(Exception):
     def __init__(
         self,
         detail: str,
-        code: grpc.StatusCode | None = None,
+        code: grpc.StatusCode | str | None = None,
         *,
         transport: str | None = None,
         reason: str = "",
@@ -68,15 +92,23 @@ class WeightdError(Exception):
         super().__init__(detail)
         self.detail = detail
         if code is not None:
-            self.code = code
+            self.code_name = code if isinstance(code, str) else code.name
         self.transport = transport
         #: The daemon's error class ("" from a daemon that predates it, or the client's own).
         self.reason = reason
         #: The error's fields as the daemon sent them (model, tensor, path, ...).
         self.metadata: dict[str, str] = dict(metadata or {})
 
+    @property
+    def code(self) -> grpc.StatusCode:
+        """The ``grpc.StatusCode`` (gRPC is imported on first use, not with the client)."""
+        import grpc
+
+        found: grpc.StatusCode = getattr(grpc.StatusCode, self.code_name, grpc.StatusCode.UNKNOWN)
+        return found
+
     def __str__(self) -> str:
-        return f"{self.code.name}: {self.detail}"
+        return f"{self.code_name}: {self.detail}"
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A class made for a reason is rebuilt through the table, so it pickles too
@@ -84,7 +116,7 @@ class WeightdError(Exception):
         cls = type(self)
         module = sys.modules.get(cls.__module__)
         static = cls if getattr(module, cls.__qualname__, None) is cls else None
-        fields = (self.code.value[0], self.detail, self.transport, self.reason, self.metadata)
+        fields = (_number(self.code_name), self.detail, self.transport, self.reason, self.metadata)
         return (_rebuild, (static, *fields))
 
 
@@ -94,7 +126,7 @@ class WeightdError(Exception):
 class CancelledError(WeightdError):
     """The call was cancelled, by the caller or by the daemon draining (``CANCELLED``)."""
 
-    code = grpc.StatusCode.CANCELLED
+    code_name = "CANCELLED"
 
 
 class InvalidArgumentError(WeightdError):
@@ -102,26 +134,26 @@ class InvalidArgumentError(WeightdError):
     into, an unknown digest kind, a tensor another worker holds (``INVALID_ARGUMENT``).
     Asking again unchanged fails again."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code_name = "INVALID_ARGUMENT"
 
 
 class DeadlineExceededError(WeightdError):
     """A call ran past its timeout, or a stream past the daemon's ``--max-stream-seconds``
     (``DEADLINE_EXCEEDED``)."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code_name = "DEADLINE_EXCEEDED"
 
 
 class NotFoundError(WeightdError):
     """No such model, tensor or adapter on this daemon (``NOT_FOUND``)."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    code_name = "NOT_FOUND"
 
 
 class AlreadyExistsError(WeightdError):
     """What the call would create exists already (``ALREADY_EXISTS``)."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
+    code_name = "ALREADY_EXISTS"
 
 
 class PermissionDeniedError(WeightdError):
@@ -129,7 +161,7 @@ class PermissionDeniedError(WeightdError):
     client certificate not allowed, a path outside the adapter roots
     (``PERMISSION_DENIED``)."""
 
-    code = grpc.StatusCode.PERMISSION_DENIED
+    code_name = "PERMISSION_DENIED"
 
 
 class ResourceExhaustedError(WeightdError):
@@ -137,7 +169,7 @@ class ResourceExhaustedError(WeightdError):
     shared-memory or adapter budget (``RESOURCE_EXHAUSTED``). Retryable with backoff
     (:class:`~weightd.client.retry.RetryPolicy`)."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code_name = "RESOURCE_EXHAUSTED"
 
 
 class FailedPreconditionError(WeightdError):
@@ -145,53 +177,53 @@ class FailedPreconditionError(WeightdError):
     for its architecture above world size 1, a pack reference from an earlier daemon
     boot, a placement the daemon does not offer (``FAILED_PRECONDITION``)."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code_name = "FAILED_PRECONDITION"
 
 
 class AbortedError(WeightdError):
     """A resumed fetch named content the daemon no longer serves; fetch from the start."""
 
-    code = grpc.StatusCode.ABORTED
+    code_name = "ABORTED"
 
 
 class OutOfRangeError(WeightdError):
     """A position past the end of what the daemon holds (``OUT_OF_RANGE``)."""
 
-    code = grpc.StatusCode.OUT_OF_RANGE
+    code_name = "OUT_OF_RANGE"
 
 
 class UnimplementedError(WeightdError):
     """The peer does not implement this call: an older daemon, or not weightd at all
     (``UNIMPLEMENTED``)."""
 
-    code = grpc.StatusCode.UNIMPLEMENTED
+    code_name = "UNIMPLEMENTED"
 
 
 class InternalError(WeightdError):
     """A bug in the daemon (its log has the traceback), or a peer's unexplained failure."""
 
-    code = grpc.StatusCode.INTERNAL
+    code_name = "INTERNAL"
 
 
 class UnavailableError(WeightdError):
     """The daemon cannot answer now: still verifying, draining, or not reachable at all
     (``UNAVAILABLE``). Retryable with backoff."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    code_name = "UNAVAILABLE"
 
 
 class DataLossError(WeightdError):
     """Bytes that do not match their verified digest, or a stream cut short
     (``DATA_LOSS``): nothing of the failed fetch is returned."""
 
-    code = grpc.StatusCode.DATA_LOSS
+    code_name = "DATA_LOSS"
 
 
 class UnauthenticatedError(WeightdError):
     """An admin call over TCP without a client identity the daemon can read
     (``UNAUTHENTICATED``)."""
 
-    code = grpc.StatusCode.UNAUTHENTICATED
+    code_name = "UNAUTHENTICATED"
 
 
 # --- situations ----------------------------------------------------------------------
@@ -361,8 +393,8 @@ REASONS: Final[dict[str, type[WeightdError]]] = {
     "InternalError": InternalError,
 }
 
-_BY_CODE: Final[dict[grpc.StatusCode, type[WeightdError]]] = {
-    cls.code: cls
+_BY_NAME: Final[dict[str, type[WeightdError]]] = {
+    cls.code_name: cls
     for cls in (
         CancelledError,
         InvalidArgumentError,
@@ -381,7 +413,16 @@ _BY_CODE: Final[dict[grpc.StatusCode, type[WeightdError]]] = {
         UnauthenticatedError,
     )
 }
-_BY_NUMBER: Final[dict[int, grpc.StatusCode]] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _name(code: int) -> str:
+    """A status number's name (UNKNOWN for a number gRPC does not define)."""
+    return STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else "UNKNOWN"
+
+
+def _number(name: str) -> int:
+    return STATUS_NAMES.index(name) if name in STATUS_NAMES else STATUS_NAMES.index("UNKNOWN")
+
 
 #: What a reason must look like to become a class name: the daemon's are identifiers.
 _REASON: Final = re.compile(r"[A-Z][A-Za-z0-9]{0,63}")
@@ -392,12 +433,13 @@ _MADE_LIMIT: Final = 1024
 _MADE_LOCK = threading.Lock()
 
 
-def code_class(code: grpc.StatusCode) -> type[WeightdError]:
-    """The class of a status code (:class:`WeightdError` for OK and UNKNOWN)."""
-    return _BY_CODE.get(code, WeightdError)
+def code_class(code: grpc.StatusCode | str) -> type[WeightdError]:
+    """The class of a status code, or of its name (:class:`WeightdError` for OK and
+    UNKNOWN)."""
+    return _BY_NAME.get(code if isinstance(code, str) else code.name, WeightdError)
 
 
-def class_for(code: grpc.StatusCode, reason: str, lineage: str = "") -> type[WeightdError]:
+def class_for(code: grpc.StatusCode | str, reason: str, lineage: str = "") -> type[WeightdError]:
     """The class raised for a status with ``reason`` (and its ancestors, ``lineage``).
 
     Always a subclass of ``code``'s class: a listed situation whose code differs (a
@@ -435,7 +477,7 @@ def error_for(
     metadata: Mapping[str, str] | None = None,
 ) -> WeightdError:
     """The typed error for a status number (as the side channel sends it)."""
-    status = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    status = _name(code)
     fields = dict(metadata or {})
     cls = class_for(status, reason, fields.get(LINEAGE_KEY, ""))
     return cls(detail, status, transport=transport, reason=reason, metadata=fields)
@@ -448,7 +490,7 @@ def from_rpc_error(error: grpc.RpcError) -> WeightdError:
     code: grpc.StatusCode = error.code()
     detail: str = error.details() or ""
     reason, metadata = _error_info(error)
-    return error_for(code.value[0], detail, reason=reason, metadata=metadata)
+    return error_for(_number(code.name), detail, reason=reason, metadata=metadata)
 
 
 def _error_info(error: grpc.RpcError) -> tuple[str, dict[str, str]]:
@@ -486,5 +528,4 @@ def _rebuild(
 ) -> WeightdError:
     if cls is None:
         return error_for(code, detail, transport=transport, reason=reason, metadata=metadata)
-    status = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
-    return cls(detail, status, transport=transport, reason=reason, metadata=metadata)
+    return cls(detail, _name(code), transport=transport, reason=reason, metadata=metadata)

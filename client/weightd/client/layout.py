@@ -11,10 +11,12 @@ layout against the model; the client only refuses what the wire cannot carry.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from weightd.v1 import weightd_pb2 as pb
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from weightd.v1 import weightd_pb2 as pb
 
 _UINT32 = 1 << 32
 
@@ -57,7 +59,7 @@ class Layout:
             )
 
     @classmethod
-    def of_proto(cls, msg: pb.Layout) -> Layout:
+    def of_proto(cls, msg: pb.Layout | Any) -> Layout:
         """The layout a message names; pipeline/expert sizes of 0 (older peers) are 1."""
         return cls(
             tp_size=msg.tp_size,
@@ -83,6 +85,8 @@ class Layout:
 
     def to_proto(self) -> pb.Layout:
         """The layout as the wire message ``weightd.v1.Layout``."""
+        from weightd.v1 import weightd_pb2 as pb
+
         return pb.Layout(
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,

@@ -17,13 +17,9 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from typing import Final
-
-from google.protobuf.message import DecodeError
+from typing import TYPE_CHECKING, Final, Protocol
 
 from weightd.common.frames import MAX_REQUEST_FRAME_BYTES, FrameError, recv_frame, send_frame
-from weightd.v1 import local_pb2 as lpb
-from weightd.v1 import weightd_pb2 as pb
 
 from .errors import (
     MAX_FIELDS,
@@ -32,10 +28,38 @@ from .errors import (
     WeightdError,
     error_for,
 )
+from .hashers import available_kinds
+from .localwire import (
+    PLACEMENT_CUDA,
+    Error,
+    Grant,
+    Hello,
+    Response,
+    WireError,
+    decode_hello,
+    decode_response,
+)
+from .localwire import encode_attach as _encode_attach
 from .transports import AdapterRef, PackRef
+
+if TYPE_CHECKING:
+    from weightd.v1 import local_pb2 as lpb
+    from weightd.v1 import weightd_pb2 as pb
+
+
+class _Message(Protocol):
+    """A generated message (tests and tools send those; a fetch sends bytes)."""
+
+    def SerializeToString(self) -> bytes: ...
+
 
 #: Connecting and reading the hello take no longer than this.
 CONNECT_TIMEOUT_SECONDS: Final = 10.0
+
+
+class PackPendingError(UnavailableError):
+    """The pack is being built and the request said not to wait (``no_wait``): the
+    daemon serves the same tensors over gRPC now, from its verified shards."""
 
 
 class LocalConnection:
@@ -57,14 +81,14 @@ class LocalConnection:
             self.close()
             raise
 
-    def _greeting(self) -> lpb.LocalHello:
+    def _greeting(self) -> Hello:
         """The daemon's hello; its refusal (every slot taken) raised as the daemon's error."""
         payload = self._recv(0)[0]
         try:
-            hello = lpb.LocalHello.FromString(payload)
-        except DecodeError as exc:
+            hello = decode_hello(payload)
+        except WireError as exc:
             raise self._broken("decoding the hello", exc) from None
-        if hello.HasField("refused"):
+        if hello.refused is not None:
             err = hello.refused
             raise local_error(err, self.transport)
         return hello
@@ -82,23 +106,20 @@ class LocalConnection:
             raise self._broken("receiving", ConnectionError("the daemon closed the connection"))
         return got
 
-    def request(
-        self, request: lpb.LocalRequest, max_fds: int = 0
-    ) -> tuple[lpb.PackGrant, list[int]]:
-        """Send ``request``; the grant and the descriptors that came with it (caller owns them)."""
+    def request(self, request: bytes | _Message, max_fds: int = 0) -> tuple[Grant, list[int]]:
+        """Send ``request`` (a ``LocalRequest``: its wire bytes, or the message); the
+        grant and the descriptors that came with it (the caller owns them)."""
         response, fds = self.exchange(request, max_fds)
-        if response.WhichOneof("response") != "grant":
+        if response.grant is None:
             for fd in fds:
                 os.close(fd)
             raise self._broken("answer", ValueError("expected a pack grant"))
         return response.grant, fds
 
-    def exchange(
-        self, request: lpb.LocalRequest, max_fds: int = 0
-    ) -> tuple[lpb.LocalResponse, list[int]]:
+    def exchange(self, request: bytes | _Message, max_fds: int = 0) -> tuple[Response, list[int]]:
         if self._sock is None:
             raise self._broken("sending", ConnectionError("connection already closed"))
-        payload = request.SerializeToString()
+        payload = request if isinstance(request, bytes) else request.SerializeToString()
         if len(payload) > MAX_REQUEST_FRAME_BYTES:  # the daemon would hang up unread
             raise ResourceExhaustedError(
                 f"side-channel request is {len(payload)} bytes; the daemon reads at most "
@@ -111,15 +132,17 @@ class LocalConnection:
             raise self._broken("sending", exc) from None
         payload, fds = self._recv(max_fds)
         try:
-            response = lpb.LocalResponse.FromString(payload)
-        except DecodeError as exc:
+            response = decode_response(payload)
+        except WireError as exc:
             for fd in fds:
                 os.close(fd)
             raise self._broken("decoding the answer", exc) from None
-        if response.WhichOneof("response") == "error":
+        if response.error is not None:
             for fd in fds:
                 os.close(fd)
             err = response.error
+            if err.pending:
+                raise PackPendingError(err.detail, transport=self.transport)
             raise local_error(err, self.transport)
         return response, fds
 
@@ -131,7 +154,7 @@ class LocalConnection:
             sock.close()
 
 
-def local_error(err: lpb.LocalError, transport: str) -> WeightdError:
+def local_error(err: Error, transport: str) -> WeightdError:
     """The typed error for a side-channel refusal: by its reason and fields where the
     daemon sent them (as gRPC's rich status carries them), else by code."""
     return error_for(
@@ -143,19 +166,24 @@ def local_error(err: lpb.LocalError, transport: str) -> WeightdError:
     )
 
 
-def pack_ref(grant: lpb.PackGrant) -> PackRef:
+def pack_ref(grant: Grant) -> PackRef:
+    adapter = None
+    if grant.adapter is not None:  # an adapter pack: its AdapterInfo, parsed by protobuf
+        from weightd.v1 import weightd_pb2 as pb
+
+        adapter = adapter_ref(pb.AdapterInfo.FromString(grant.adapter))
     return PackRef(
         boot_id=grant.boot_id,
         pack_id=grant.pack_id,
         model=grant.model,
         tp_size=grant.layout.tp_size,
         tp_rank=grant.layout.tp_rank,
-        placement="cuda" if grant.placement == lpb.PLACEMENT_CUDA else "host",
+        placement="cuda" if grant.placement == PLACEMENT_CUDA else "host",
         size_bytes=grant.size_bytes,
         gpu_uuid=grant.gpu_uuid,
         pinned=grant.pinned,
         built=grant.built,
-        adapter=adapter_ref(grant.adapter) if grant.HasField("adapter") else None,
+        adapter=adapter,
     )
 
 
@@ -165,17 +193,24 @@ def adapter_ref(info: pb.AdapterInfo) -> AdapterRef:
     )
 
 
-def attach_request(ref: PackRef, names: list[str]) -> lpb.LocalRequest:
-    return lpb.LocalRequest(
-        attach=lpb.AttachPack(boot_id=ref.boot_id, pack_id=ref.pack_id, names=names)
+def attach_request(ref: PackRef, names: list[str]) -> bytes:
+    return _encode_attach(
+        boot_id=ref.boot_id,
+        pack_id=ref.pack_id,
+        names=names,
+        slice_digests=list(available_kinds()),
     )
 
 
 def local_stats(path: str, timeout: float | None = 30.0) -> lpb.LocalStats:
     """The daemon's pack table and budgets (for operators and tests)."""
+    from weightd.v1 import local_pb2 as lpb
+
     conn = LocalConnection(path, "shm", timeout)
     try:
         response, _ = conn.exchange(lpb.LocalRequest(stats=lpb.PackStatsRequest()))
-        return response.stats
+        if response.stats is None:
+            raise conn._broken("answer", ValueError("expected the pack stats"))
+        return lpb.LocalStats.FromString(response.stats)
     finally:
         conn.close()

@@ -5,17 +5,18 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
-
-from weightd.v1 import local_pb2 as lpb
-
-from .cuda_ipc import device_uuid, map_cuda_pack
 from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError, WeightdError
+from .hashers import available_kinds
 from .layout import Layout
-from .local import LocalConnection, attach_request, pack_ref
+from .local import LocalConnection, PackPendingError, attach_request, pack_ref
+from .localwire import PLACEMENT_CUDA, PLACEMENT_HOST, Grant, encode_acquire
 from .shm import map_host_pack
 from .transports import FetchInfo, PackRef, TransportFailure, candidates, side_socket_path
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("weightd.client")
 
@@ -27,8 +28,12 @@ class NotApplicable(Exception):
 
 def _cuda_check(conn: LocalConnection, device: torch.device) -> str:
     """The UUID to ask for, once the daemon's hello says it can place packs there."""
-    if lpb.PLACEMENT_CUDA not in conn.hello.placements:
+    if PLACEMENT_CUDA not in conn.hello.placements:
         raise NotApplicable("the daemon offers no CUDA IPC (started without --cuda-ipc)")
+    import torch
+
+    from .cuda_ipc import device_uuid
+
     if not torch.cuda.is_available():
         raise NotApplicable("this process has no CUDA")
     uuid = device_uuid(device)
@@ -89,6 +94,7 @@ def negotiated_fetch(
                 timeout=timeout,
                 adapter=adapter,
                 populate=populate,
+                no_wait=transport == "auto",
             )
             copied = copy or (name == "shm" and device.type != "cpu")
             return state, FetchInfo(name, transport, reason, tuple(failures), ref, copied)
@@ -96,6 +102,8 @@ def negotiated_fetch(
             if transport != "auto":
                 raise FailedPreconditionError(str(exc), transport=name) from None
             reason = f"{exc}; {reason}"
+        except PackPendingError as exc:  # only asked for by "auto": gRPC serves it now
+            reason = f"{name}: {exc.detail}, so over gRPC meanwhile; {reason}"
         except WeightdError as exc:
             if transport != "auto" or exc.transport is None or i == len(order) - 1:
                 raise
@@ -123,21 +131,27 @@ def fetch_local(
     timeout: float | None,
     adapter: str = "",
     populate: bool | None = None,
+    no_wait: bool = False,
 ) -> tuple[dict[str, torch.Tensor], PackRef]:
-    """One worker's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc"."""
+    """One worker's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc".
+
+    ``no_wait``: a pack still being built raises :class:`.local.PackPendingError` at
+    once instead of waiting for the build (``transport="auto"`` then uses gRPC).
+    """
     conn = LocalConnection(path, transport, timeout)
     try:
-        acquire = lpb.AcquirePack(
+        cuda = transport == "cuda_ipc"
+        request = encode_acquire(
             model=model,
-            layout=layout.to_proto(),
-            names=list(names),
-            placement=lpb.PLACEMENT_HOST,
+            layout=layout,
+            names=names,
+            placement=PLACEMENT_CUDA if cuda else PLACEMENT_HOST,
+            gpu_uuid=_cuda_check(conn, device) if cuda else "",
             adapter=adapter,
+            slice_digests=available_kinds(),
+            no_wait=no_wait,
         )
-        if transport == "cuda_ipc":
-            acquire.placement = lpb.PLACEMENT_CUDA
-            acquire.gpu_uuid = _cuda_check(conn, device)
-        grant, fds = conn.request(lpb.LocalRequest(acquire=acquire), max_fds=1)
+        grant, fds = conn.request(request, max_fds=1)
         _check_granted_layout(grant, layout, transport)
     except BaseException:
         conn.close()
@@ -145,7 +159,7 @@ def fetch_local(
     return _map(grant, fds, conn, device, copy, verify, populate), pack_ref(grant)
 
 
-def _check_granted_layout(grant: lpb.PackGrant, layout: Layout, transport: str) -> None:
+def _check_granted_layout(grant: Grant, layout: Layout, transport: str) -> None:
     """Refuse a pack for another layout than the one asked for.
 
     A daemon from before the side channel planned whole layouts served every pipeline
@@ -154,9 +168,9 @@ def _check_granted_layout(grant: lpb.PackGrant, layout: Layout, transport: str) 
     ``vocab_pad``. Such a pack is never handed out: the failure is the transport's, so
     ``auto`` falls back to gRPC (where the stream's first message tells the same).
     """
-    if grant.HasField("adapter"):
+    if grant.adapter is not None:
         return  # adapter packs are tensor-parallel only (the daemon refuses others)
-    granted = Layout.of_proto(grant.layout)
+    granted = grant.layout
     if granted != layout:
         raise UnavailableError(
             f"the daemon granted a pack for {granted.describe()}, not {layout.describe()} "
@@ -199,7 +213,7 @@ def attach_local(
 
 
 def _map(
-    grant: lpb.PackGrant,
+    grant: Grant,
     fds: list[int],
     conn: LocalConnection,
     device: torch.device,
@@ -207,12 +221,14 @@ def _map(
     verify: bool,
     populate: bool | None = None,
 ) -> dict[str, torch.Tensor]:
-    if grant.placement == lpb.PLACEMENT_CUDA:
+    if grant.placement == PLACEMENT_CUDA:
         if fds:
             for fd in fds:
                 os.close(fd)
             conn.close()
             raise FailedPreconditionError("a CUDA IPC grant came with a descriptor")
+        from .cuda_ipc import map_cuda_pack
+
         return map_cuda_pack(grant, conn, device=device, copy=copy, verify=verify)
     if len(fds) != 1:
         conn.close()

@@ -23,16 +23,28 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
-
-import grpc
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import WeightdError
 
+if TYPE_CHECKING:
+    import grpc
+
 T = TypeVar("T")
 
-#: The only codes a policy may retry.
-RETRYABLE: Final = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+
+def retryable() -> frozenset[grpc.StatusCode]:
+    """The only codes a policy may retry (``RETRYABLE``). gRPC is imported here, not
+    with the module: a same-host fetch never loads it (``weightd.client.localwire``)."""
+    import grpc
+
+    return frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RETRYABLE":
+        return retryable()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,7 @@ class RetryPolicy:
     #: Most attempts in a row without progress (0: bounded by time only).
     max_attempts: int = 0
     #: Codes retried: a subset of :data:`RETRYABLE`.
-    codes: frozenset[grpc.StatusCode] = RETRYABLE
+    codes: frozenset[grpc.StatusCode] = field(default_factory=retryable)
 
     def __post_init__(self) -> None:
         if not 0 < self.initial_backoff <= self.max_backoff:
@@ -63,7 +75,7 @@ class RetryPolicy:
                 f"need multiplier >= 1, total_seconds >= 0, max_attempts >= 0; got "
                 f"{self.multiplier}, {self.total_seconds}, {self.max_attempts}"
             )
-        extra = set(self.codes) - RETRYABLE
+        extra = set(self.codes) - retryable()
         if extra:
             names = ", ".join(sorted(c.name for c in extra))
             raise ValueError(

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import hashlib
 import mmap
 import os
 import weakref
@@ -55,11 +54,12 @@ import torch
 
 from weightd.common.digests import slice_digest
 from weightd.common.hugemap import madvise, map_aligned
-from weightd.v1 import local_pb2 as lpb
 
 from .dtypes import torch_dtype
 from .errors import DataLossError
+from .hashers import new_hasher
 from .local import LocalConnection
+from .localwire import Entry, Grant
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 #: ``MADV_POPULATE_READ`` (Linux 5.14, <asm-generic/mman-common.h>); Python 3.11's mmap
@@ -80,7 +80,7 @@ def _populate(mapping: ctypes.Array[ctypes.c_char]) -> bool:
     return True
 
 
-def pack_table(grant: lpb.PackGrant) -> list[tuple[lpb.PackEntry, torch.dtype, tuple[int, ...]]]:
+def pack_table(grant: Grant) -> list[tuple[Entry, torch.dtype, tuple[int, ...]]]:
     """Every entry checked against the pack's size and its own dtype and shape."""
     out = []
     seen: set[str] = set()
@@ -124,7 +124,7 @@ def check_sealed(fd: int, expected_size: int, pack_id: int) -> None:
 
 
 def map_host_pack(
-    grant: lpb.PackGrant,
+    grant: Grant,
     fd: int,
     conn: LocalConnection,
     *,
@@ -179,14 +179,17 @@ def map_host_pack(
     return out
 
 
-def _verify(
-    mapping: ctypes.Array[ctypes.c_char], entries: Iterable[lpb.PackEntry], pack_id: int
-) -> None:
-    with memoryview(mapping) as view:
+def _verify(mapping: ctypes.Array[ctypes.c_char], entries: Iterable[Entry], pack_id: int) -> None:
+    """Hash every entry as its digest says (``blake3:``, ``sha256:``) and compare."""
+    with memoryview(mapping) as raw, raw.cast("B") as view:
         for e in entries:
-            h = hashlib.sha256()
+            kind = e.digest.partition(":")[0]
+            try:
+                h = new_hasher(kind)
+            except ValueError as exc:
+                raise DataLossError(f"pack {pack_id}: tensor {e.name!r}: {exc}") from None
             h.update(view[e.offset : e.offset + e.nbytes])
-            actual = slice_digest(h)
+            actual = slice_digest(h, kind)
             if actual != e.digest:
                 raise DataLossError(
                     f"pack {pack_id}: tensor {e.name!r} hashes to {actual}, the table says "

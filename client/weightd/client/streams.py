@@ -24,8 +24,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import grpc
-
 from .errors import WeightdError
 
 if TYPE_CHECKING:  # torch loads only where tensors are made (`weightd list` needs none)
@@ -58,7 +56,7 @@ def split_by_bytes(sizes: Sequence[tuple[str, int]], n: int) -> list[list[str]]:
 
 
 class _SiblingFailed(WeightdError):
-    code = grpc.StatusCode.CANCELLED
+    code_name = "CANCELLED"
 
 
 def fetch_in_streams(

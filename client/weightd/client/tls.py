@@ -7,7 +7,10 @@ them during the handshake). Pass the result as ``WeightClient(..., credentials=.
 
 from __future__ import annotations
 
-import grpc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 
 def _read(path: str, what: str) -> bytes:
@@ -24,6 +27,8 @@ def tls_credentials(
     """TLS credentials; ``ca`` None trusts the system roots; ``cert`` with ``key`` for mTLS."""
     if (cert is None) != (key is None):
         raise ValueError("a client certificate needs its key, and a key its certificate")
+    import grpc
+
     return grpc.ssl_channel_credentials(
         root_certificates=None if ca is None else _read(ca, "CA file"),
         private_key=None if key is None else _read(key, "key file"),

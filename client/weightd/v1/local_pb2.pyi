@@ -116,6 +116,8 @@ class AcquirePack(_message.Message):
     PLACEMENT_FIELD_NUMBER: _builtins.int
     GPU_UUID_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
+    SLICE_DIGESTS_FIELD_NUMBER: _builtins.int
+    NO_WAIT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """empty: the daemon's only model"""
     placement: Global___Placement.ValueType
@@ -126,12 +128,23 @@ class AcquirePack(_message.Message):
     be empty). The pack is keyed by (adapter, version, layout), and its lease also
     holds that version in the adapter registry until the connection ends.
     """
+    no_wait: _builtins.bool
+    """True: while the pack is being built, answer at once with LocalError.pending
+    instead of waiting for the build (the client fetches over gRPC meanwhile, from the
+    verified shards). False (clients before the field, transport="shm"): wait.
+    """
     @_builtins.property
     def layout(self) -> _weightd_pb2.Layout: ...
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Empty: every tensor of the rank. Otherwise only these entries are returned; the
         pack itself always holds the whole rank, so every process shares one copy.
+        """
+
+    @_builtins.property
+    def slice_digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Slice digest kinds this client can check ("blake3", "sha256"); the grant's entries
+        carry the first kind the pack has. Empty (clients before the field): SHA-256.
         """
 
     def __init__(
@@ -143,10 +156,12 @@ class AcquirePack(_message.Message):
         placement: Global___Placement.ValueType = ...,
         gpu_uuid: _builtins.str = ...,
         adapter: _builtins.str = ...,
+        slice_digests: _abc.Iterable[_builtins.str] | None = ...,
+        no_wait: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "names", b"names", "placement", b"placement"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "names", b"names", "no_wait", b"no_wait", "placement", b"placement", "slice_digests", b"slice_digests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -163,10 +178,15 @@ class AttachPack(_message.Message):
     BOOT_ID_FIELD_NUMBER: _builtins.int
     PACK_ID_FIELD_NUMBER: _builtins.int
     NAMES_FIELD_NUMBER: _builtins.int
+    SLICE_DIGESTS_FIELD_NUMBER: _builtins.int
     boot_id: _builtins.str
     pack_id: _builtins.int
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """as in AcquirePack"""
+
+    @_builtins.property
+    def slice_digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """as in AcquirePack"""
 
     def __init__(
@@ -175,10 +195,11 @@ class AttachPack(_message.Message):
         boot_id: _builtins.str = ...,
         pack_id: _builtins.int = ...,
         names: _abc.Iterable[_builtins.str] | None = ...,
+        slice_digests: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "names", b"names", "pack_id", b"pack_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "names", b"names", "pack_id", b"pack_id", "slice_digests", b"slice_digests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -250,7 +271,7 @@ class PackEntry(_message.Message):
     """from the start of the pack; a multiple of 256"""
     nbytes: _builtins.int
     digest: _builtins.str
-    """"sha256:<hex>" of the slice, anchored to the verified tensor"""
+    """"<kind>:<hex>" of the slice (blake3 or sha256, see AcquirePack.slice_digests), proven against the verified tensor"""
     split_dim: _builtins.int
     replicated: _builtins.bool
     @_builtins.property
@@ -358,6 +379,9 @@ class PackStat(_message.Message):
     PINNED_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
     ADAPTER_VERSION_FIELD_NUMBER: _builtins.int
+    BUILDING_FIELD_NUMBER: _builtins.int
+    DECLARED_FIELD_NUMBER: _builtins.int
+    RESIDENT_BYTES_FIELD_NUMBER: _builtins.int
     pack_id: _builtins.int
     model: _builtins.str
     placement: Global___Placement.ValueType
@@ -370,6 +394,12 @@ class PackStat(_message.Message):
     adapter: _builtins.str
     """an adapter pack: its adapter name and version"""
     adapter_version: _builtins.int
+    building: _builtins.bool
+    """still being built (no lease can be taken yet)"""
+    declared: _builtins.bool
+    """built for a declared layout, held while its model is served"""
+    resident_bytes: _builtins.int
+    """bytes of the pack resident in memory (mincore), when measured"""
     @_builtins.property
     def layout(self) -> _weightd_pb2.Layout: ...
     def __init__(
@@ -386,10 +416,13 @@ class PackStat(_message.Message):
         pinned: _builtins.bool = ...,
         adapter: _builtins.str = ...,
         adapter_version: _builtins.int = ...,
+        building: _builtins.bool = ...,
+        declared: _builtins.bool = ...,
+        resident_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_version", b"adapter_version", "gpu_uuid", b"gpu_uuid", "idle_seconds", b"idle_seconds", "layout", b"layout", "leases", b"leases", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_version", b"adapter_version", "building", b"building", "declared", b"declared", "gpu_uuid", b"gpu_uuid", "idle_seconds", b"idle_seconds", "layout", b"layout", "leases", b"leases", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "resident_bytes", b"resident_bytes", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -471,6 +504,7 @@ class LocalError(_message.Message):
     TRANSPORT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """a grpc status code number, with the gRPC service's meanings"""
     detail: _builtins.str
@@ -483,6 +517,10 @@ class LocalError(_message.Message):
     ``error_lineage``: the class's ancestors), as gRPC's google.rpc.ErrorInfo carries
     them. Empty from daemons that predate them: clients then map by code.
     """
+    pending: _builtins.bool
+    """The pack asked for (with AcquirePack.no_wait) is being built: fetch over gRPC now,
+    or ask again later. Always with transport set.
+    """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -493,10 +531,11 @@ class LocalError(_message.Message):
         transport: _builtins.bool = ...,
         reason: _builtins.str = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        pending: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "detail", b"detail", "metadata", b"metadata", "reason", b"reason", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "detail", b"detail", "metadata", b"metadata", "pending", b"pending", "reason", b"reason", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -419,22 +419,43 @@ class FileDigest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    INODE_FIELD_NUMBER: _builtins.int
+    MTIME_NS_FIELD_NUMBER: _builtins.int
+    SAMPLE_DIGEST_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """relative to the model directory: "config.json", the index, a shard"""
     size: _builtins.int
     """bytes, as verified"""
     sha256: _builtins.str
     """lowercase hex of the whole file; "" when the daemon did not hash it"""
+    device: _builtins.int
+    """The file as the daemon holds it open (fstat of its descriptor): a client on the
+    same host (ModelDescription.host_boot_id) whose file has the same device, inode,
+    size and mtime is reading the very file the daemon verified. 0 from older daemons.
+    """
+    inode: _builtins.int
+    mtime_ns: _builtins.int
+    sample_digest: _builtins.str
+    """A digest of a fixed sample of the verified file's bytes (scheme and positions:
+    weightd.common.sampling), so a client can tell another checkpoint of the same
+    shapes (a fine-tune) from this one by reading ~1 MiB per shard. "" for config and
+    index files (their sha256 is always set) and from older daemons.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         size: _builtins.int = ...,
         sha256: _builtins.str = ...,
+        device: _builtins.int = ...,
+        inode: _builtins.int = ...,
+        mtime_ns: _builtins.int = ...,
+        sample_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "inode", b"inode", "mtime_ns", b"mtime_ns", "name", b"name", "sample_digest", b"sample_digest", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -451,6 +472,7 @@ class ModelDescription(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     FILES_FIELD_NUMBER: _builtins.int
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    HOST_BOOT_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     architecture: _builtins.str
     config_json: _builtins.str
@@ -459,6 +481,10 @@ class ModelDescription(_message.Message):
     model_fingerprint: _builtins.str
     """Identity of the served content: the same value as FetchResponse.model_fingerprint
     (config and every verified tensor digest). "" from a daemon that predates the field.
+    """
+    host_boot_id: _builtins.str
+    """/proc/sys/kernel/random/boot_id of the daemon's host: FileDigest device and inode
+    mean something only to a client that reads the same value. "" when unknown.
     """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorDescription]: ...
@@ -481,10 +507,11 @@ class ModelDescription(_message.Message):
         total_bytes: _builtins.int = ...,
         files: _abc.Iterable[Global___FileDigest] | None = ...,
         model_fingerprint: _builtins.str = ...,
+        host_boot_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "config_json", b"config_json", "files", b"files", "model_fingerprint", b"model_fingerprint", "name", b"name", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "config_json", b"config_json", "files", b"files", "host_boot_id", b"host_boot_id", "model_fingerprint", b"model_fingerprint", "name", b"name", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

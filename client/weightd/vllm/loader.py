@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from weightd.client import Layout, WeightClient, WeightdError
+from weightd.client import Layout, ModelDescription, WeightClient, WeightdError
 from weightd.client import errors as e
 
 from .errors import WeightdLoadError
-from .identity import compare
+from .identity import compare_files
 from .options import LoaderOptions, parse_options
 from .placement import worker_layout
 from .presharded import mark, presharded_loading
@@ -61,6 +61,11 @@ class LoadReport:
     #: against a daemon that predates ``vocab_pad``: see ``vocab.py``)
     vocab_blocks: list[tuple[str, int]] = field(default_factory=list)
     fallback: str = ""  # the error a fallback load replaced, if any
+    #: shard -> how it was proven to be the daemon's ("same file", "cache blob",
+    #: "sampled"), or "UNCHECKED: why" (only with the operator's ``identity: warn``)
+    identity: dict[str, str] = field(default_factory=dict)
+    #: This worker's request built its pack (shared memory only; False: prebuilt)
+    pack_built: bool = False
 
 
 #: What each situation means for this load, by the client's typed errors (the daemon
@@ -93,6 +98,40 @@ def _where(options: LoaderOptions, layout: Layout) -> str:
     return f"weightd at {options.target}, model {options.model_label}, layout {layout.describe()}"
 
 
+def check_identity(
+    directory: Path, desc: ModelDescription, options: LoaderOptions, where: str
+) -> dict[str, str]:
+    """Refuse a daemon serving another checkpoint; how each shard was proven.
+
+    A shard nothing can prove (a daemon that sends no identity for it) is refused too,
+    unless the operator opted out (``identity: "warn"``): then a WARNING names it.
+    """
+    found = compare_files(directory, desc)
+    if found.differences:
+        raise WeightdLoadError(
+            f"{where}: the daemon's model {desc.name!r} is not the checkpoint in "
+            f"{directory}: " + "; ".join(str(d) for d in found.differences)
+        )
+    proven = dict(found.proven)
+    if found.unchecked:
+        what = ", ".join(f"{n} ({why})" for n, why in sorted(found.unchecked.items()))
+        if options.identity != "warn":
+            raise WeightdLoadError(
+                f"{where}: cannot prove that the daemon's model {desc.name!r} is the "
+                f"checkpoint in {directory}: not checked: {what}. Upgrade the daemon, or "
+                "pass model_loader_extra_config identity='warn' to load anyway"
+            )
+        log.warning(
+            "weightd IDENTITY NOT CHECKED (identity='warn'): loading the daemon's model %r "
+            "for %s without proof that these shards are its files: %s",
+            desc.name,
+            directory,
+            what,
+        )
+        proven.update({n: f"UNCHECKED: {why}" for n, why in found.unchecked.items()})
+    return proven
+
+
 def load_from_weightd(
     model: torch.nn.Module, model_config: Any, options: LoaderOptions
 ) -> LoadReport:
@@ -103,12 +142,8 @@ def load_from_weightd(
     try:
         with WeightClient(options.target, timeout=options.timeout) as client:
             desc = client.describe(options.model)
-            differences = compare(Path(model_config.model), desc)
-            if differences:
-                raise WeightdLoadError(
-                    f"{where}: the daemon's model {desc.name!r} is not the checkpoint in "
-                    f"{model_config.model}: " + "; ".join(str(d) for d in differences)
-                )
+            identity = check_identity(Path(model_config.model), desc, options, where)
+
             state, layout = fetch_rows(
                 lambda lay: client.fetch_layout(lay, model=desc.name, transport=options.transport),
                 layout,
@@ -116,6 +151,10 @@ def load_from_weightd(
             info = client.last_fetch
             report = LoadReport(options.target, desc.name, layout)
             report.transport = info.transport if info is not None else ""
+            report.identity = identity
+            # Whether this worker's request built the pack (False: built before it
+            # asked, e.g. at the daemon's load for a declared layout).
+            report.pack_built = bool(info and info.pack and info.pack.built)
             full = {t.name: t.shape for t in desc.tensors}
             vocab_rows = vllm_vocab_rows(model) if layout.tp_size > 1 else {}
 

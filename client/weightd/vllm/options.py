@@ -5,8 +5,11 @@ socket), ``model`` (the served model's name; default: the daemon's only model),
 ``fallback`` (``"none"``, or ``"disk"``: if weightd cannot serve this worker, load
 from the model directory with vLLM's default loader and say so in the log),
 ``transport`` (``"auto"``: shared memory on the daemon's host, else gRPC; or
-``"grpc"`` / ``"shm"`` to insist), ``timeout`` (seconds per call). An unknown key or
-a value of the wrong type is refused: a typo must not silently turn a setting off.
+``"grpc"`` / ``"shm"`` to insist), ``timeout`` (seconds per call), ``identity``
+(``"strict"``: refuse to load when a shard in the model directory cannot be proven to
+be the daemon's, see ``identity.py``; ``"warn"``: the operator's opt-out, load and name
+every unproven shard in a WARNING). An unknown key or a value of the wrong type is
+refused: a typo must not silently turn a setting off.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from .errors import WeightdLoadError
 
 Fallback = Literal["none", "disk"]
 LoaderTransport = Literal["auto", "grpc", "shm"]
+IdentityCheck = Literal["strict", "warn"]
 
-_KEYS = ("target", "model", "fallback", "transport", "timeout")
+_KEYS = ("target", "model", "fallback", "transport", "timeout", "identity")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class LoaderOptions:
     fallback: Fallback = "none"
     transport: LoaderTransport = "auto"
     timeout: float | None = None
+    identity: IdentityCheck = "strict"
 
     @property
     def model_label(self) -> str:
@@ -110,4 +115,5 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
             LoaderTransport, _choice(extra, "transport", ("auto", "grpc", "shm"), "auto")
         ),
         timeout=timeout,
+        identity=cast(IdentityCheck, _choice(extra, "identity", ("strict", "warn"), "strict")),
     )

@@ -28,6 +28,7 @@ from weightd.server.config.kinds import (
     Text,
 )
 from weightd.server.config.load import SETTINGS, Loaded, check, load
+from weightd.server.plan.declared import DeclaredLayout, LayoutGroup, parse_declared
 
 #: Environment used for every load here: no variable of the machine leaks in.
 BASE_ENV = {"HOME": "/home/u", "XDG_CACHE_HOME": "/cache"}
@@ -45,6 +46,11 @@ def _sample(kind: Kind[Any], default: Any) -> Any:
     if isinstance(kind, Maybe):
         return _sample(kind.inner, None)
     if isinstance(kind, Items):
+        if isinstance(kind.inner, Parsed) and kind.inner.parse is parse_declared:
+            return (
+                DeclaredLayout(None, LayoutGroup(2, vocab_pad=64)),
+                DeclaredLayout(None, LayoutGroup(1)),
+            )
         if isinstance(kind.inner, Parsed) and kind.inner.syntax in _PARSED_SAMPLES:
             return _PARSED_SAMPLES[kind.inner.syntax]
         if isinstance(kind.inner, Parsed):
@@ -70,6 +76,8 @@ def _text(kind: Kind[Any], value: Any) -> str:
     if isinstance(kind, Maybe):
         return _text(kind.inner, value)
     if isinstance(kind, Items):
+        if any("," in str(v) for v in value):  # items that hold commas: a JSON array
+            return json.dumps([str(v) for v in value])
         return ",".join(str(v) for v in value)
     if isinstance(kind, Flag):
         return "true" if value else "false"

@@ -652,6 +652,12 @@ class PackMemoryExhausted(TransportError):
     code = Code.RESOURCE_EXHAUSTED
 
 
+class PackPending(TransportError):
+    """The pack asked for is being built and the asker does not wait: gRPC serves it now."""
+
+    code = Code.UNAVAILABLE
+
+
 class PlacementUnavailable(TransportError):
     """The daemon does not offer the placement asked for (CUDA IPC off, GPU not visible)."""
 

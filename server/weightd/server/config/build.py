@@ -14,7 +14,7 @@ from ..sources.bounds import StoreBounds
 from ..sources.download import DownloadSettings
 from ..sources.resolver import SourceOptions
 from ..sources.s3 import S3Settings
-from ..transports.options import LocalConfig
+from ..transports.options import LocalConfig, PrebuildOptions
 from ..trust.verify import VerifyOptions
 from .schema import ServeConfig
 
@@ -91,3 +91,21 @@ def autoload_policy(config: ServeConfig) -> AutoloadPolicy:
         digests=adapters.digests(),
         trust_roots=adapters.autoload_trust_roots,
     )
+
+
+def prebuild_options(config: ServeConfig) -> PrebuildOptions:
+    """Declared layouts: which packs each model's load builds, and what then happens."""
+    local = config.local
+    return PrebuildOptions(
+        declared=config.layout,
+        remember=local.remember_layouts and bool(config.cache_dir),
+        drop_shard_pages=local.drop_shard_pages,
+        threads=local.pack_build_threads or None,
+    )
+
+
+def layouts_dir(config: ServeConfig) -> str | None:
+    """Where remembered layouts live (None: not remembered)."""
+    if not (config.local.remember_layouts and config.cache_dir):
+        return None
+    return os.path.join(config.cache_dir, "layouts")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ..adapters.autoload import check_component, check_digest, check_pattern
+from ..plan.declared import DeclaredLayout, parse_declared
 from ..rpc.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from ..sources.bounds import StoreBounds
 from ..sources.download import DownloadSettings
@@ -73,6 +74,7 @@ def _pinned_digest(text: str) -> Named:
 
 _MODEL: Final = Parsed(parse_named, "[NAME=]DIR or [NAME=]s3://BUCKET/PREFIX/")
 _MANIFEST: Final = Parsed(parse_named, "[NAME=]FILE")
+_LAYOUT: Final = Parsed(parse_declared, "[MODEL=]tp=N[,pp=N][,pp_layers=A+B][,ep=N][,vocab_pad=N]")
 
 
 @dataclass
@@ -346,6 +348,24 @@ class LocalSection(Section):
         "seconds a side-socket client has, from connecting, to send its whole request",
         check=positive,
     )
+    remember_layouts: bool = setting(
+        True,
+        Flag(),
+        "remember the layouts workers ask for (in cache-dir) and build their packs at the "
+        "next load, like --layout",
+    )
+    drop_shard_pages: bool = setting(
+        True,
+        Flag(),
+        "once a model's declared layouts are built, drop its shard files from the page "
+        "cache (the packs are the resident copy; gRPC fetches of other layouts re-read)",
+    )
+    pack_build_threads: int = setting(
+        0,
+        Integer(),
+        "threads that build a layout's packs (0: every core)",
+        check=not_negative,
+    )
 
 
 @dataclass
@@ -406,6 +426,14 @@ class ServeConfig:
         "checkpoint directory, or an s3:// prefix holding one, to serve (repeatable; "
         "NAME= names it, else the last path component does); none: the built-in demo",
         metavar="[NAME=]DIR|s3://BUCKET/PREFIX/",
+    )
+    layout: tuple[DeclaredLayout, ...] = setting(
+        (),
+        Items(_LAYOUT),
+        "a deployment to build shared-memory packs for at load, before SERVING "
+        "(repeatable; MODEL= limits it to one model; vLLM asks for tp=N at TP=1 and "
+        "tp=N,vocab_pad=64 above)",
+        metavar="[MODEL=]tp=N[,pp=N][,pp_layers=A+B][,ep=N][,vocab_pad=N]",
     )
     listen: str = setting(
         "",
@@ -505,6 +533,11 @@ class ServeConfig:
             if key in manifests:
                 out.append(("trust.manifest", f"two manifests for {m.name or 'the model'}"))
             manifests[key] = m.value
+        for d in self.layout:
+            if d.model is not None and d.model not in names:
+                out.append(
+                    ("layout", f"{d}: no model named {d.model!r} (serving: {', '.join(names)})")
+                )
         if "" in manifests and len(names) > 1:
             out.append(("trust.manifest", "name the model (NAME=FILE) when serving several models"))
         if self.trust.trust_key and not manifests:

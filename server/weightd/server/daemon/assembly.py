@@ -38,6 +38,7 @@ from ..telemetry import logs
 from ..telemetry.metrics import Metrics, MetricsServer, SourceMetrics, serve_metrics
 from ..transports.local_server import LocalObserver, LocalServer, start_local_server
 from ..transports.options import check_config
+from ..transports.prebuild import LayoutPrebuilder
 from ..trust.verify import VerifyOptions
 from . import lifecycle, listeners
 from .addresses import Address, parse_address, prepare_unix_socket, settle_address
@@ -51,6 +52,7 @@ from .collectors import (
     ShmPackState,
     adapter_metrics,
 )
+from .prebuilding import prebuilder_for, prepare_at_start, register_host_memory
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
 
 log = logging.getLogger("weightd")
@@ -91,6 +93,9 @@ class Daemon:
 
     #: Brings ``s3://`` models and adapters into the local cache.
     resolver: SourceResolver | None = None
+
+    #: Builds and holds each model's declared layouts' packs at load (on Unix listeners).
+    prebuilder: LayoutPrebuilder | None = None
 
     @property
     def target(self) -> str:
@@ -136,6 +141,8 @@ class Daemon:
             self.watcher.close()  # first: it reads the stores the registry closes
         if self.adapters is not None:
             self.adapters.close()
+        if self.prebuilder is not None:
+            self.prebuilder.close()
         if self.local is not None:
             self.local.close()
         if self.watchdog is not None:
@@ -294,6 +301,11 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
                 _register_local_collectors(metrics_registry, daemon.local)
             if metrics is not None:
                 daemon.local.observer = LocalObserver(metrics, listeners.model_resolver(registry))
+            if metrics_registry is not None and metrics is not None:
+                register_host_memory(metrics_registry, registry, daemon.local, metrics)
+            daemon.prebuilder = prebuilder_for(config, daemon.local.service)
+            daemon.reloader.prepare = daemon.prebuilder.prepare
+            service.after_fetch = daemon.prebuilder.after_read
         if metrics_registry is not None:
             adapter_service.metrics = adapter_metrics(
                 metrics_registry, adapter_service, daemon.local
@@ -350,7 +362,9 @@ def load_models(
         daemon.reloader.tables = tuple(tables)
 
     def load(name: str, source: str) -> LoadedModel:
-        return load_source(source, name, daemon.metrics, tables, options, daemon.resolver)[0]
+        model = load_source(source, name, daemon.metrics, tables, options, daemon.resolver)[0]
+        prepare_at_start(daemon.prebuilder, model)  # declared layouts' packs, before SERVING
+        return model
 
     def publish(model: LoadedModel) -> None:
         publish_source(daemon.registry, model, daemon.resolver)

@@ -86,6 +86,10 @@ class ModelCollector:
                 resident.add_metric([name], float(measured[1]))
         yield from (ready, tensor_bytes, mapped, resident)
 
+    def residency(self, model: LoadedModel) -> tuple[int, int] | None:
+        """``(mapped, resident)`` bytes of ``model``'s shard files (None: not measurable)."""
+        return self._residency(model)
+
     def _residency(self, model: LoadedModel) -> tuple[int, int] | None:
         total_mapped = total_resident = 0
         for shard in model.store.shards.values():

@@ -4,10 +4,9 @@ Layout is pure (:func:`layout_pack`): the plan's slices in plan order, each at a
 offset aligned to :data:`PACK_ALIGN` bytes (what CUDA allocations guarantee, and
 more than any dtype needs), so a client builds each tensor as a view at its offset.
 
-Building (:func:`build_host_pack`) goes through the same verified path as the gRPC
-stream: each slice's digest is the anchored SHA-256 (computed from bytes proven to
-hash to the verified tensor digest), the bytes are read from the shard store's
-descriptors with ``preadv`` straight into the memfd, and then:
+Base-weight packs are built a layout at a time in one pass over the checkpoint
+(:mod:`.layoutbuild`). :func:`build_pack` here builds from anchored digests and a fill
+function (adapter packs): the bytes are written straight into the memfd, and then:
 
 1. the writer mapping is unmapped and the memfd sealed (``F_SEAL_SHRINK | GROW |
    WRITE | SEAL``): from here on nobody, the daemon included, can change or resize it,
@@ -27,6 +26,7 @@ import fcntl
 import hashlib
 import mmap
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,9 +39,8 @@ from weightd.common.hugemap import map_aligned
 
 from ..base.cleanup import on_error
 from ..base.errors import DataIntegrityError, PackMemoryExhausted
-from ..plan.planner import RankPlan
 from ..plan.slices import TensorSlice
-from ..registry.models import LoadedModel
+from ..trust.integrity import slice_hasher
 from .hugepages import allocate, shmem_mode
 
 #: Every tensor in a pack starts at a multiple of this many bytes.
@@ -116,6 +115,30 @@ class HostPack:
         # host-to-device copies); ctypes would insist on a writable buffer.
         self._array: np.ndarray | None = np.frombuffer(self.mapping, dtype=np.uint8)
         self._unpin: Callable[[], None] | None = None
+        self._digests: dict[str, tuple[str, ...]] = {}
+        self._digest_lock = threading.Lock()
+
+    def digests(self, kind: str) -> tuple[str, ...]:
+        """Every entry's slice digest of ``kind`` (``sha256``, ``blake3``).
+
+        The kind the pack was built with is its table; another is hashed once from the
+        sealed bytes (which match the table: nobody can have changed them since) and
+        kept, for clients that can check only that kind.
+        """
+        native = tuple(e.digest for e in self.entries)
+        if all(d.startswith(f"{kind}:") for d in native):
+            return native
+        with self._digest_lock:
+            found = self._digests.get(kind)
+            if found is None:
+                with memoryview(self.mapping) as view:
+                    out = []
+                    for e in self.entries:
+                        h = slice_hasher(kind)
+                        h.update(view[e.offset : e.offset + e.nbytes])
+                        out.append(slice_digest(h, kind))
+                found = self._digests[kind] = tuple(out)
+        return found
 
     @property
     def pinned(self) -> bool:
@@ -142,28 +165,6 @@ class HostPack:
             self.mapping.close()
         finally:
             os.close(self.fd)  # the descriptor goes even if the mapping is still in use
-
-
-def build_host_pack(
-    model: LoadedModel, plan: RankPlan, label: str, *, huge_mode: str | None = None
-) -> HostPack:
-    """Lay out, fill, seal and verify the pack for ``plan``; on doubt it raises, unpublished.
-
-    The anchors (each tensor read once, BLAKE3 against its verified digest, SHA-256 of
-    every peer slice) are computed on :data:`_BUILD_THREADS` threads, a tensor each:
-    hashlib, blake3 and ``preadv`` release the GIL, and on the first request for a
-    layout this was the largest part of the build, one core hashing while the others
-    idled (the vLLM load note in ``docs/notes/`` measured it). Same anchors,
-    same proof: only the order in which tensors are anchored changes.
-    """
-    workers = max(1, min(_BUILD_THREADS, os.cpu_count() or 1, len(plan.slices)))
-    with ThreadPoolExecutor(workers, thread_name_prefix="weightd-pack-anchor") as pool:
-        digests = list(pool.map(lambda s: model.slice_anchor(s, plan.layout), plan.slices))
-
-    def fill(s: TensorSlice, into: memoryview) -> None:
-        model.store.read_pattern_into(s.shard, s.pattern, into)
-
-    return build_pack(plan.slices, digests, fill, label, huge_mode=huge_mode)
 
 
 #: ``fill(slice, into)``: write exactly the slice's bytes into ``into``.

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from ..base.cleanup import release_frames
-from ..base.errors import PackMemoryExhausted, StaleGrant, TransportError
+from ..base.errors import PackMemoryExhausted, PackPending, StaleGrant, TransportError
 
 
 class Pack(Protocol):
@@ -115,6 +115,10 @@ class PackState:
     idle_seconds: float
     pack: object | None  # None while building
 
+    @property
+    def building(self) -> bool:
+        return self.pack is None
+
 
 class PackCache(Generic[P]):
     """Packs of one kind (host memory, or one GPU's memory) under one budget and TTL."""
@@ -139,12 +143,26 @@ class PackCache(Generic[P]):
         self.evictions_total = 0
 
     def acquire(
-        self, key: Hashable, size: int | Callable[[], int], info: object, build: Callable[[], P]
+        self,
+        key: Hashable,
+        size: int | Callable[[], int],
+        info: object,
+        build: Callable[[], P],
+        *,
+        wait: bool = True,
+        on_pending: Callable[[bool], None] | None = None,
     ) -> Lease[P]:
         """A lease on the pack for ``key``, building it (once, for all askers) when absent.
 
         ``size``: the pack's size, or how to compute it (pure), called only when the
         pack must be built: a hit, the common case, skips laying the pack out.
+
+        ``wait=False``: never wait for a build. A pack being built raises
+        :class:`PackPending` at once; an absent one starts building on a thread of its
+        own and raises PackPending too, so the asker is served another way meanwhile
+        (over gRPC, from the verified shards) and the next asker finds the pack.
+        ``on_pending(started)`` runs first (before a build it starts), so what it
+        records precedes anything that build records.
         """
         victims: list[_Slot[P]] = []
         with self._lock:
@@ -152,6 +170,7 @@ class PackCache(Generic[P]):
                 raise TransportError(f"{self.what} packs are being freed: the daemon stops")
             slot = self._slots.get(key)
             owner = slot is None
+            building = 0
             if slot is None:
                 need = size() if callable(size) else size
                 for k in evictions_for(
@@ -162,25 +181,58 @@ class PackCache(Generic[P]):
                 self._slots[key] = slot
                 self.builds_total += 1
                 self.evictions_total += len(victims)
-            slot.leases += 1
-            slot.idle_since = None
+            elif not wait and not slot.future.done():
+                building = slot.pack_id
+            if not building and (wait or not owner):  # a background build leases nobody
+                slot.leases += 1
+                slot.idle_since = None
         self._free(victims)
+        if building:
+            if on_pending is not None:
+                on_pending(False)
+            raise PackPending(f"{self.what} {building} is being built")
+        if owner and not wait:
+            if on_pending is not None:
+                on_pending(True)
+            threading.Thread(
+                target=self._build_quietly, args=(slot, build), name="weightd-pack-background"
+            ).start()
+            raise PackPending(f"{self.what} {slot.pack_id} started building")
         if owner:
-            try:
-                pack = build()
-                if self._is_closed():
-                    pack.close()
-                    raise TransportError(f"{self.what} packs are being freed: the daemon stops")
-                slot.future.set_result(pack)
-            except BaseException as exc:
-                # Waiters get the same error; its frames (half-built buffers) go now.
-                release_frames(exc)
-                with self._lock:
-                    if self._slots.get(key) is slot:
-                        del self._slots[key]
-                slot.future.set_exception(exc)
-                raise
+            self._build(slot, build)
         return Lease(self, slot, slot.future.result(), owner)
+
+    def _build(self, slot: _Slot[P], build: Callable[[], P]) -> None:
+        """Build ``slot``'s pack; waiters get it, or the same error (the slot then goes)."""
+        try:
+            pack = build()
+            if self._is_closed():
+                pack.close()
+                raise TransportError(f"{self.what} packs are being freed: the daemon stops")
+            slot.future.set_result(pack)
+        except BaseException as exc:
+            # Waiters get the same error; its frames (half-built buffers) go now.
+            release_frames(exc)
+            with self._lock:
+                if self._slots.get(slot.key) is slot:
+                    del self._slots[slot.key]
+            slot.future.set_exception(exc)
+            raise
+        with self._lock:
+            if slot.leases == 0 and self._slots.get(slot.key) is slot:
+                slot.idle_since = self._clock()  # built for nobody yet: its TTL runs
+
+    def _build_quietly(self, slot: _Slot[P], build: Callable[[], P]) -> None:
+        """A background build: its failure is the builder's to report (it logs and marks)."""
+        try:
+            self._build(slot, build)
+        except BaseException:
+            return
+
+    def has(self, key: Hashable) -> bool:
+        """Whether a pack for ``key`` exists or is being built."""
+        with self._lock:
+            return key in self._slots
 
     def _is_closed(self) -> bool:
         with self._lock:

@@ -153,6 +153,17 @@ def load_independently(
     return [(n, failures[n]) for n, _ in named if n in failures]
 
 
+def prepare_or_close(prepare: Callable[[LoadedModel], None] | None, model: LoadedModel) -> None:
+    """Run ``prepare`` on a version about to be published; on failure close its files."""
+    if prepare is None:
+        return
+    try:
+        prepare(model)
+    except BaseException:
+        model.store.close()
+        raise
+
+
 @dataclass(frozen=True)
 class ReloadResult:
     model: LoadedModel
@@ -195,6 +206,9 @@ class Reloader:
         self._locks: dict[str, threading.Lock] = {}
         #: The ``--rules`` tables, for a model that never loaded (set by the start-up).
         self.tables: tuple[RuleTable, ...] = ()
+        #: Runs on a verified version before it is published (its declared layouts'
+        #: packs are built there: ``transports/prebuild.py``); a failure fails the reload.
+        self.prepare: Callable[[LoadedModel], None] | None = None
 
     def _current(self, name: str) -> tuple[str, LoadedModel | None]:
         """The model ``name`` names, and its published version (None: its load failed,
@@ -335,6 +349,12 @@ class Reloader:
         try:
             try:
                 new, seconds = self.load_aside(current if current is not None else name, job.cancel)
+                try:
+                    prepare_or_close(self.prepare, new)  # declared layouts' packs, first
+                except BaseException:
+                    if self._resolver is not None:  # a cached version that never served
+                        self._resolver.reject(new.checkpoint.root)
+                    raise
             except BaseException as exc:
                 with job.lock:
                     job.finished = True

@@ -227,7 +227,7 @@ class ModelRegistry:
                 # garbage and leaves what is really in use alone (then its last user
                 # closes it); reloads are rare admin calls, the pass takes milliseconds.
                 gc.collect()
-        self._notify(model.name, True)
+        self._notify(model.name, model.broken is None)  # published broken: serves nothing
 
     def mark_broken(self, model: LoadedModel, reason: str) -> None:
         if model.broken is None:

@@ -22,6 +22,7 @@ from ..base.errors import (
 from ..plan.layout import Layout
 from ..plan.planner import RankPlan
 from ..plan.slices import TensorSlice
+from ..registry.identity import host_boot_id, shard_samples
 from ..registry.models import LoadedModel, ModelRegistry
 from ..store.shards import Piece, pattern_pieces
 from ..trust.integrity import slice_hasher
@@ -65,6 +66,10 @@ class WeightsService:
         self.adapters = adapters
         #: ``weightd_fetch_resumes_total``: how often restarts cost clients a resume.
         self.resumes = resumes
+        #: Runs when a Fetch stream of a model ends (how it ended aside): where the
+        #: model's packs are its resident copy, the shard pages it read are dropped
+        #: again (``transports/prebuild.py``).
+        self.after_fetch: Callable[[LoadedModel], None] | None = None
 
     def _adapters(self) -> Adapters:
         if self.adapters is None:
@@ -146,10 +151,19 @@ class WeightsService:
         # Every file the load read and verified, so a client can prove a local copy
         # (vLLM's model directory) is this checkpoint. A shard's SHA-256 is present
         # when the daemon hashed the whole file (manifest, HF cache); its size always.
+        # Each shard also with the identity of the file the daemon holds and a sampled
+        # digest of its tensors (registry/identity.py): a fine-tune of the same shapes
+        # is told apart without reading the whole checkpoint.
+        samples = shard_samples(m)
+        out.host_boot_id = host_boot_id()
         for name in sorted(set(ckpt.small_files) | set(ckpt.shards)):
             known = m.file_digests.get(name)
             size = known.size if known is not None else m.store.shard(name).identity.size
-            out.files.add(name=name, size=size, sha256=known.sha256 if known else "")
+            entry = out.files.add(name=name, size=size, sha256=known.sha256 if known else "")
+            if name in ckpt.shards:
+                held = m.store.shard(name).identity
+                entry.device, entry.inode, entry.mtime_ns = held.dev, held.ino, held.mtime_ns
+                entry.sample_digest = samples[name]
         for t in ckpt.tensors.values():
             out.tensors.add(
                 name=t.name,
@@ -217,6 +231,9 @@ class WeightsService:
             if not isinstance(exc, WeightdError) and not context.is_active():
                 return  # the client went away mid-stream; nothing to report to anyone
             abort(context, exc, "Fetch")
+        finally:
+            if model is not None and self.after_fetch is not None:
+                self.after_fetch(model)
 
     def _count_resume(self, model: str, outcome: str) -> None:
         if self.resumes is not None:

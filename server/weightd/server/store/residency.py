@@ -14,6 +14,7 @@ Linux only (``mincore`` and ``mmap`` through ``ctypes`` on libc).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -95,3 +96,18 @@ def resident_bytes(fd: int, size: int | None = None) -> tuple[int, int]:
         finally:
             lib.munmap(addr, n)
     return length, total
+
+
+def drop_cached(fd: int) -> None:
+    """Ask the kernel to drop the file's pages from the page cache.
+
+    ``POSIX_FADV_DONTNEED`` frees only clean pages no process maps: it never loses data
+    and never changes what a later read returns (that read goes to the disk instead).
+    Pages not yet written back (a checkpoint just downloaded or copied) are not clean,
+    so the file is flushed first (``fdatasync`` works on a read-only descriptor; where
+    it is refused, only the clean pages go). Used once a model's packs are its
+    resident copy.
+    """
+    with contextlib.suppress(OSError):
+        os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

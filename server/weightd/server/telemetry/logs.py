@@ -26,6 +26,8 @@ EVENTS: Final = frozenset(
     | {"file_changed", "restore"}  # the file watcher (filewatch.py)
     | {"download"}  # remote sources (sources/resolver.py)
     | {"adapter"}  # adapter load/replace/unload/evict/refuse (adapters/service.py)
+    # rank packs (transports/): built, asked for while building, declared layouts ready
+    | {"pack_built", "pack_pending", "layouts_built"}
 )
 
 #: Characters of one log message (an error quoting a multi-MiB answer stays readable).

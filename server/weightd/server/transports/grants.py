@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from weightd.common.digests import SLICE_DIGEST_ALGORITHM, SLICE_DIGEST_KINDS
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 
@@ -35,6 +37,7 @@ class PackInfo:
     placement: lpb.Placement.ValueType
     gpu_uuid: str = ""
     adapter: AdapterTag | None = None  # an adapter pack: the version it holds
+    declared: bool = False  # built at load for a declared (or remembered) layout
 
 
 #: A lease the side socket holds for a connection: on a base pack, or on an adapter
@@ -51,45 +54,73 @@ class Outcome:
     lease: Held | None = None
 
 
-def _entry(e: PackEntry) -> lpb.PackEntry:
+def _entry(e: PackEntry, digest: str) -> lpb.PackEntry:
     return lpb.PackEntry(
         name=e.name,
         dtype=e.dtype,
         shape=e.shape,
         offset=e.offset,
         nbytes=e.nbytes,
-        digest=e.digest,
+        digest=digest,
         split_dim=e.split_dim,
         replicated=e.replicated,
     )
 
 
-#: Each pack's whole table, as the wire bytes of a ``PackGrant`` holding only its
-#: entries. Why: a pack's table never changes, and building its messages field by
-#: field was the largest part of answering a shared-memory request, and merging the
-#: cached bytes costs a small fraction of that. Weakly keyed: an evicted
+#: Each pack's whole table (per digest kind), as the wire bytes of a ``PackGrant``
+#: holding only its entries. Why: a pack's table never changes, and building its
+#: messages field by field was the largest part of answering a shared-memory request,
+#: and merging the cached bytes costs a small fraction of that. Weakly keyed: an evicted
 #: pack's table goes with it.
-_TABLES: weakref.WeakKeyDictionary[HostPack | CudaPack, bytes] = weakref.WeakKeyDictionary()
+_TABLES: weakref.WeakKeyDictionary[HostPack | CudaPack, dict[str, bytes]] = (
+    weakref.WeakKeyDictionary()
+)
 _TABLES_LOCK = threading.Lock()
 
 
-def _whole_table(pack: HostPack | CudaPack) -> bytes:
+def digest_kind(pack: HostPack | CudaPack, accepted: Sequence[str]) -> str:
+    """The slice digest kind a grant's entries carry: the pack's own when the client
+    accepts it, else the first the client names; SHA-256 for clients that name none
+    (they predate ``AcquirePack.slice_digests`` and check only SHA-256)."""
+    native = pack.entries[0].digest.partition(":")[0] if pack.entries else SLICE_DIGEST_ALGORITHM
+    if not accepted:
+        return SLICE_DIGEST_ALGORITHM
+    if native in accepted:
+        return native
+    for kind in accepted:
+        if kind in SLICE_DIGEST_KINDS:
+            return kind
+    return SLICE_DIGEST_ALGORITHM
+
+
+def _digests(pack: HostPack | CudaPack, kind: str) -> tuple[str, ...]:
+    if isinstance(pack, HostPack):
+        return pack.digests(kind)
+    return tuple(e.digest for e in pack.entries)  # a GPU copy keeps its host pack's table
+
+
+def _whole_table(pack: HostPack | CudaPack, kind: str) -> bytes:
     with _TABLES_LOCK:
-        table = _TABLES.get(pack)
+        table = _TABLES.get(pack, {}).get(kind)
     if table is None:
-        table = lpb.PackGrant(entries=[_entry(e) for e in pack.entries]).SerializeToString()
+        entries = [_entry(e, d) for e, d in zip(pack.entries, _digests(pack, kind), strict=True)]
+        table = lpb.PackGrant(entries=entries).SerializeToString()
         with _TABLES_LOCK:
-            _TABLES[pack] = table
+            _TABLES.setdefault(pack, {})[kind] = table
     return table
 
 
-def _add_entries(grant: lpb.PackGrant, pack: HostPack | CudaPack, names: list[str]) -> None:
+def _add_entries(
+    grant: lpb.PackGrant, pack: HostPack | CudaPack, names: list[str], kind: str
+) -> None:
     """Append the entries for ``names`` (all, in pack order, when empty) to ``grant``."""
     if not names:
-        grant.MergeFromString(_whole_table(pack))  # repeated fields append; nothing else set
+        grant.MergeFromString(_whole_table(pack, kind))  # repeated fields append
         return
+    digests = dict(zip((e.name for e in pack.entries), _digests(pack, kind), strict=True))
     by_name = {e.name: e for e in pack.entries}
-    grant.entries.extend(_entry(by_name[n]) for n in names)  # names were checked by the planner
+    # names were checked by the planner
+    grant.entries.extend(_entry(by_name[n], digests[n]) for n in names)
 
 
 def wire_layout(layout: Layout) -> pb.Layout:
@@ -106,8 +137,11 @@ def wire_layout(layout: Layout) -> pb.Layout:
     )
 
 
-def answer(boot_id: str, lease: Held, names: list[str]) -> Outcome:
-    """The grant for a lease (entries for ``names``, or all), with what it must carry."""
+def answer(boot_id: str, lease: Held, names: list[str], accepted: Sequence[str] = ()) -> Outcome:
+    """The grant for a lease (entries for ``names``, or all), with what it must carry.
+
+    ``accepted``: the slice digest kinds the client can check (see :func:`digest_kind`).
+    """
     info = lease.info
     assert isinstance(info, PackInfo)
     pack = lease.pack
@@ -121,7 +155,7 @@ def answer(boot_id: str, lease: Held, names: list[str]) -> Outcome:
         size_bytes=pack.size,
         built=lease.built,
     )
-    _add_entries(grant, pack, names)
+    _add_entries(grant, pack, names, digest_kind(pack, accepted))
     if info.adapter is not None:
         tag = info.adapter
         grant.adapter.CopyFrom(

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import replace
 from typing import Final
@@ -46,17 +47,23 @@ from ..base.errors import (
     DataIntegrityError,
     LocalProtocolError,
     NoAdapters,
+    PackPending,
     PlacementUnavailable,
     StaleGrant,
     TransportError,
     error_status,
 )
-from ..packs.build import HostPack, build_host_pack, layout_pack
+from ..packs.build import HostPack, layout_pack
 from ..packs.cache import Lease, PackCache
+from ..packs.layoutbuild import build_host_pack
+from ..plan.declared import LayoutGroup
 from ..plan.layout import Layout
-from ..registry.models import ModelRegistry
+from ..plan.planner import RankPlan
+from ..registry.models import LoadedModel, ModelRegistry
+from ..telemetry import logs
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer, wire_layout
+from .layout_memory import LayoutMemory
 from .options import LocalConfig
 from .pinned import HostPinner
 
@@ -77,6 +84,11 @@ def pack_label(layout: Layout) -> str:
     return label
 
 
+def key_of(model: LoadedModel, layout: Layout) -> tuple[str, Layout]:
+    """A host pack's key: the served content (fingerprint) and the whole layout."""
+    return (model.fingerprint, layout)
+
+
 def local_error(error: BaseException, what: str) -> lpb.LocalError:
     """The side channel's answer to a failure: its status from the one table, with the
     error's class and fields (``reason``, ``metadata``) as gRPC's rich status has them.
@@ -93,6 +105,7 @@ def local_error(error: BaseException, what: str) -> lpb.LocalError:
         transport=isinstance(error, TransportError),
         reason=status.reason,
         metadata=status.metadata,
+        pending=isinstance(error, PackPending),
     )
 
 
@@ -109,6 +122,12 @@ class PackService:
         #: Open side-channel connections, for stats; the socket server sets it.
         self.connections: Callable[[], int] = lambda: 0
         self.boot_id = uuid.uuid4().hex
+        #: Where the layouts workers ask for are remembered (None: nowhere).
+        self.memory: LayoutMemory | None = None
+        #: Pack id -> leases the daemon itself holds (declared layouts, ``prebuild``):
+        #: not a worker's, so stats and metrics count them apart.
+        self._daemon_holds: Counter[int] = Counter()
+        self._holds_lock = threading.Lock()
         counter = itertools.count(1)
         id_lock = threading.Lock()
 
@@ -132,14 +151,37 @@ class PackService:
         if adapters is not None:
             adapters.registry.on_drop(self._adapter_dropped)
 
+    def hold(self, lease: Lease[HostPack], held: bool) -> None:
+        """Count ``lease`` as the daemon's own (``held``) or no longer (prebuild's)."""
+        with self._holds_lock:
+            self._daemon_holds[lease.pack_id] += 1 if held else -1
+            if self._daemon_holds[lease.pack_id] <= 0:
+                del self._daemon_holds[lease.pack_id]
+
+    def _holds(self) -> Counter[int]:
+        with self._holds_lock:
+            return Counter(self._daemon_holds)
+
     def host_usage(self) -> dict[str, tuple[int, int]]:
-        """Model name -> (bytes, leases) of its shared-memory packs, for the metrics."""
+        """Model name -> (bytes, worker leases) of its shared-memory packs, for the metrics."""
         usage: dict[str, tuple[int, int]] = {}
+        holds = self._holds()
         for state in self.host.states():
             if isinstance(state.info, PackInfo) and state.info.adapter is None:
                 size, leases = usage.get(state.info.model, (0, 0))
-                usage[state.info.model] = (size + state.size, leases + state.leases)
+                workers = state.leases - holds[state.pack_id]
+                usage[state.info.model] = (size + state.size, leases + workers)
         return usage
+
+    def host_pack_fds(self) -> dict[str, list[tuple[int, int]]]:
+        """Model name -> ``(memfd, size)`` of its built shared-memory packs (a scrape's
+        residency question; a pack freed meanwhile makes that question fail, not lie)."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for state in self.host.states():
+            info, pack = state.info, state.pack
+            if isinstance(info, PackInfo) and info.adapter is None and isinstance(pack, HostPack):
+                out.setdefault(info.model, []).append((pack.fd, pack.size))
+        return out
 
     def adapter_usage(self) -> tuple[int, int, int]:
         """(packs, bytes, leases) of adapter packs in every placement, for the metrics."""
@@ -196,36 +238,76 @@ class PackService:
         if req.names:
             model.plan_layout(layout, tuple(req.names))  # unknown or repeated names fail here
         plan = model.plan_layout(layout)
+        host = self.host_lease(model, plan, wait=not req.no_wait, remember=True)
+        kinds = list(req.slice_digests)
+        if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
+            return answer(self.boot_id, host, list(req.names), kinds)
         key = (model.fingerprint, layout)
-        label = f"{model.name}:{pack_label(layout)}"
+        info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST)
+        return answer(self.boot_id, self._place(req, host, key, info), list(req.names), kinds)
 
-        def build() -> HostPack:
+    def host_lease(
+        self,
+        model: LoadedModel,
+        plan: RankPlan,
+        *,
+        wait: bool = True,
+        remember: bool = False,
+        build: Callable[[], HostPack] | None = None,
+        declared: bool = False,
+    ) -> Lease[HostPack]:
+        """A lease on ``model``'s pack for ``plan``'s layout, built (by ``build``) if absent.
+
+        ``wait=False``: a pack not built yet raises :class:`PackPending` at once (its
+        build started, if it had not), after logging ``pack_pending``, so the worker
+        fetches over gRPC meanwhile. ``remember``: record the layout's deployment in
+        the cache directory, for the next start to build (:mod:`.layout_memory`). A
+        build whose bytes do not match the verified digests marks the model broken:
+        it serves nothing (DATA_LOSS) until reloaded.
+        """
+        layout = plan.layout
+        label = f"{model.name}:{pack_label(layout)}"
+        make = build or (lambda: build_host_pack(model, plan, f"weightd:{label}"))
+
+        def build_it() -> HostPack:
             started = time.monotonic()
             try:
-                pack = build_host_pack(model, plan, f"weightd:{label}")
+                pack = make()
             except DataIntegrityError as exc:
                 self.registry.mark_broken(model, str(exc))
                 raise
             if self.pinner is not None:
                 self.pinner.pin(pack)
-            log.info(
-                "built pack %s: %d tensors, %d bytes in %.3fs%s",
-                label,
-                len(pack.entries),
-                pack.size,
-                time.monotonic() - started,
-                " (pinned)" if pack.pinned else "",
+            seconds = time.monotonic() - started
+            logs.event(
+                "pack_built",
+                model=model.name,
+                layout=pack_label(layout),
+                tensors=len(pack.entries),
+                bytes=pack.size,
+                seconds=seconds,
+                pinned=pack.pinned,
+                declared=declared,
             )
+            if remember and self.memory is not None:
+                self.memory.remember(model.name, LayoutGroup.of(layout))
             return pack
+
+        def pending(started: bool) -> None:
+            logs.event(
+                "pack_pending",
+                model=model.name,
+                layout=pack_label(layout),
+                build="started" if started else "running",
+            )
 
         def size() -> int:
             return layout_pack(plan.slices)[1]
 
-        info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST)
-        host = self.host.acquire(key, size, info, build)
-        if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
-            return answer(self.boot_id, host, list(req.names))
-        return answer(self.boot_id, self._place(req, host, key, info), list(req.names))
+        info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST, declared=declared)
+        return self.host.acquire(
+            key_of(model, layout), size, info, build_it, wait=wait, on_pending=pending
+        )
 
     def _acquire_adapter(self, req: lpb.AcquirePack) -> Outcome:
         """The current version of adapter ``req.adapter``: its pack, leased with the version."""
@@ -265,7 +347,7 @@ class PackService:
             version.release()
             raise
         held: Held = AdapterPackLease(lease, version)
-        return answer(self.boot_id, held, [])
+        return answer(self.boot_id, held, [], list(req.slice_digests))
 
     def _place(
         self, req: lpb.AcquirePack, host: Lease[HostPack], key: Hashable, info: PackInfo
@@ -311,8 +393,17 @@ class PackService:
             raise LocalProtocolError(f"pack {req.pack_id} holds no tensor {missing[0]!r}")
         info = lease.info
         assert isinstance(info, PackInfo)
+        kinds = list(req.slice_digests)
+        if info.adapter is None:
+            state, reason = self.registry.state(info.model)
+            if state == "broken":  # a build (or a check) found its bytes changed
+                lease.release()
+                raise DataIntegrityError(
+                    f"pack {req.pack_id}: model {info.model!r} is not served until reloaded: "
+                    f"{reason}"
+                )
         if info.adapter is None or self.adapters is None:
-            return answer(self.boot_id, lease, list(req.names))
+            return answer(self.boot_id, lease, list(req.names), kinds)
         tag = info.adapter
         try:
             version = self.adapters.registry.lease_version(tag.name, tag.version)
@@ -324,7 +415,7 @@ class PackService:
                 "which is no longer held: fetch again"
             ) from None
         held: Held = AdapterPackLease(lease, version)
-        return answer(self.boot_id, held, list(req.names))
+        return answer(self.boot_id, held, list(req.names), kinds)
 
     # --- upkeep ----------------------------------------------------------------------------
 
@@ -338,10 +429,12 @@ class PackService:
             cuda_budget_bytes=sum(c.budget_bytes for c in self.gpu.values()),
             connections=self.connections(),
         )
+        holds = self._holds()
         for cache in self._caches():
             out.builds_total += cache.builds_total
             out.evictions_total += cache.evictions_total
             for s in cache.states():
+                held = holds[s.pack_id] if cache is self.host else 0
                 info = s.info
                 assert isinstance(info, PackInfo)
                 out.packs.add(
@@ -351,11 +444,13 @@ class PackService:
                     placement=info.placement,
                     gpu_uuid=info.gpu_uuid,
                     size_bytes=s.size,
-                    leases=s.leases,
+                    leases=s.leases - held,  # workers' (the daemon's own: ``declared``)
                     idle_seconds=s.idle_seconds,
                     pinned=isinstance(s.pack, HostPack) and s.pack.pinned,
                     adapter=info.adapter.name if info.adapter else "",
                     adapter_version=info.adapter.version if info.adapter else 0,
+                    building=s.building,
+                    declared=held > 0,
                 )
         return out
 

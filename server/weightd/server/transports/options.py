@@ -19,6 +19,7 @@ from weightd.common.cuda_driver import (
 )
 
 from ..base.errors import CudaUnavailable, UsageError
+from ..plan.declared import DeclaredLayout
 
 #: The side socket lives next to the gRPC socket, in the same 0700 directory.
 LOCAL_SOCKET_SUFFIX: Final = ".local"
@@ -59,6 +60,19 @@ class LocalConfig:
 
     def resolved_pin_budget(self) -> int:
         return self.pin_budget_bytes if self.pin_budget_bytes > 0 else self.resolved_host_budget()
+
+
+@dataclass(frozen=True)
+class PrebuildOptions:
+    """What ``weightd serve`` says about declared layouts (built in ``config/build.py``)."""
+
+    declared: tuple[DeclaredLayout, ...] = ()
+    #: Remember the layouts workers ask for, and build them at the next load.
+    remember: bool = True
+    #: Drop a model's shard pages from the page cache once its declared packs are built.
+    drop_shard_pages: bool = True
+    #: Threads a layout's build uses (None: every core).
+    threads: int | None = None
 
 
 def check_config(config: LocalConfig, unix_socket: bool) -> CudaDriver | None:

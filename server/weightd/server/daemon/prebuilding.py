@@ -1,0 +1,57 @@
+"""Wiring declared layouts into the daemon: the prebuilder from the config, and start-up.
+
+Apart from ``assembly`` so that module gains two lines, not the policy: what a failed
+build at start-up means is decided here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry
+
+from ..base.errors import DataIntegrityError
+from ..config import ServeConfig, build
+from ..registry.models import LoadedModel, ModelRegistry
+from ..telemetry.metrics import Metrics
+from ..transports.layout_memory import LayoutMemory
+from ..transports.local_server import LocalServer
+from ..transports.local_service import PackService
+from ..transports.prebuild import LayoutPrebuilder
+from .collectors import ModelCollector
+from .memory import HostMemoryCollector
+
+log = logging.getLogger("weightd")
+
+
+def prebuilder_for(config: ServeConfig, packs: PackService) -> LayoutPrebuilder:
+    """The daemon's prebuilder, with the layout memory ``config`` asks for."""
+    directory = build.layouts_dir(config)
+    memory = LayoutMemory(directory) if directory is not None else None
+    packs.memory = memory
+    return LayoutPrebuilder(packs, build.prebuild_options(config), memory)
+
+
+def prepare_at_start(prebuilder: LayoutPrebuilder | None, model: LoadedModel) -> None:
+    """Start-up's :meth:`LayoutPrebuilder.prepare`: a build that finds changed bytes
+    leaves the model published broken (DATA_LOSS, nothing served), not the daemon dead."""
+    if prebuilder is None:
+        return
+    try:
+        prebuilder.prepare(model)
+    except DataIntegrityError as exc:
+        if model.broken is None:
+            model.broken = str(exc)
+        log.error("model %s stops serving: %s", model.name, exc)
+
+
+def register_host_memory(
+    into: CollectorRegistry, registry: ModelRegistry, local: LocalServer, metrics: Metrics
+) -> None:
+    """Page cache plus shared memory per model, against its payload (``memory.py``)."""
+    shards = ModelCollector(registry, metrics.scrape_errors)
+    into.register(
+        HostMemoryCollector(
+            registry, shards.residency, local.service.host_pack_fds, metrics.scrape_errors
+        )
+    )
