@@ -30,13 +30,19 @@ from .layout import Layout
 from .retry import RetryPolicy, RetryStats
 from .tls import tls_credentials
 from .transports import FetchInfo, PackRef, TransportFailure
+from .versions import VersionEvent, VersionHold, VersionInfo, VersionWatch
 
 if TYPE_CHECKING:
-    from .admin import AdminClient, ReloadResult
+    from .admin import AdminClient, Published, ReloadResult
     from .resumable import ResumeReport
 
 #: Names whose modules import torch, loaded on first use (PEP 562).
-_WITH_TORCH = {"AdminClient": ".admin", "ReloadResult": ".admin", "ResumeReport": ".resumable"}
+_WITH_TORCH = {
+    "AdminClient": ".admin",
+    "Published": ".admin",
+    "ReloadResult": ".admin",
+    "ResumeReport": ".resumable",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -64,6 +70,7 @@ __all__ = [
     "NotFoundError",
     "PackRef",
     "PermissionDeniedError",
+    "Published",
     "ReloadResult",
     "ResourceExhaustedError",
     "ResumeReport",
@@ -73,6 +80,10 @@ __all__ = [
     "TransportFailure",
     "UnauthenticatedError",
     "UnavailableError",
+    "VersionEvent",
+    "VersionHold",
+    "VersionInfo",
+    "VersionWatch",
     "VocabPadUnsupportedError",
     "WeightClient",
     "WeightdError",

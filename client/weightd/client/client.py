@@ -39,6 +39,7 @@ from .layout import Layout
 from .retry import RetryPolicy, RetryStats, call_with_retry
 from .streams import MAX_STREAMS, fetch_in_streams, merge_reports, split_by_bytes
 from .transports import FetchInfo, PackRef, Transport
+from .versions import VersionHold, VersionWatch
 
 # torch (seconds to import) and the modules that make tensors load on the first call
 # that makes tensors: ``list_models`` and ``describe`` (``weightd list``) need none.
@@ -247,6 +248,26 @@ class WeightClient:
 
         return AdapterWatch(self._stub, timeout)
 
+    def watch_versions(
+        self, model: str | None = None, timeout: float | None = None
+    ) -> VersionWatch:
+        """Version events of ``model`` (None: every model): each current version as
+        "ready", then every new version as it becomes ready, and older ones as dropped."""
+        return VersionWatch(self._stub, model or "", timeout)
+
+    def hold_version(
+        self, model: str | None = None, version: int = 0, *, holder: str = "", ttl: float = 0
+    ) -> VersionHold:
+        """Keep ``version`` of ``model`` (0: the current one) in the daemon until the hold
+        is released (``with``) or ``ttl`` seconds pass (0: the daemon's default, 600 s);
+        ``holder`` names who holds it (an engine id) in the daemon's metrics. Raises
+        ``NotFoundError`` for a version the daemon no longer holds."""
+        request = pb.HoldVersionRequest(
+            model=model or "", version=version, holder=holder, ttl_seconds=int(ttl)
+        )
+        reply = self._unary(self._stub.HoldVersion, request)
+        return VersionHold(self._stub, reply, self.timeout)
+
     def _unary(self, method: Callable[..., T], request: object) -> T:
         """One unary call, retried under the policy, with its failure typed."""
 
@@ -262,8 +283,9 @@ class WeightClient:
         reply = self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [model_info_of(m) for m in reply.models]
 
-    def describe(self, model: str | None = None) -> ModelDescription:
-        request = pb.DescribeModelRequest(model=model or "")
+    def describe(self, model: str | None = None, *, version: int = 0) -> ModelDescription:
+        """Every tensor of ``model`` (at ``version``; 0: the current one) and its files."""
+        request = pb.DescribeModelRequest(model=model or "", version=version)
         return description_of(self._unary(self._stub.DescribeModel, request))
 
     # --- weights ---------------------------------------------------------------------
@@ -351,6 +373,7 @@ class WeightClient:
         verify: bool,
         into: Mapping[str, torch.Tensor] | None = None,
         streams: int = 1,
+        version: int = 0,
     ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
         import torch
 
@@ -363,8 +386,8 @@ class WeightClient:
 
         def grpc_fetch() -> dict[str, torch.Tensor]:
             if streams > 1:
-                return self._fetch_grpc_streams(layout, model, wanted, into, streams)
-            return self._fetch_grpc(layout, model=model, names=wanted, into=into)
+                return self._fetch_grpc_streams(layout, model, wanted, into, streams, version)
+            return self._fetch_grpc(layout, model=model, names=wanted, into=into, version=version)
 
         def negotiate() -> tuple[dict[str, torch.Tensor], FetchInfo]:
             return negotiated_fetch(
@@ -379,6 +402,7 @@ class WeightClient:
                 verify=verify,
                 timeout=self.timeout,
                 populate=self.populate,
+                version=version,
             )
 
         # The gRPC path retries (and resumes) by itself; only an explicit same-host
@@ -398,6 +422,7 @@ class WeightClient:
         transport: Transport = "auto",
         copy: bool = False,
         verify: bool = False,
+        version: int = 0,
     ) -> dict[str, torch.Tensor]:
         """Every tensor the worker at ``layout`` holds (or ``names``), sliced, digest-checked.
 
@@ -405,7 +430,9 @@ class WeightClient:
         head its position needs); an expert-parallel rank only its experts. Asking by
         name for a tensor another worker holds is ``InvalidArgumentError``. Transports,
         ``copy`` and ``verify`` as in :meth:`fetch`; how it was served is in
-        :attr:`last_fetch`.
+        :attr:`last_fetch`. ``version``: that version of the model (``watch_versions``,
+        :meth:`hold_version`; 0: the current one); a version the daemon no longer holds
+        is ``NotFoundError``, and a daemon that predates versions is refused.
         """
         state, _ = self._fetch_negotiated(
             layout,
@@ -415,6 +442,7 @@ class WeightClient:
             transport=transport,
             copy=copy,
             verify=verify,
+            version=version,
         )
         return state
 
@@ -456,6 +484,7 @@ class WeightClient:
         names: list[str],
         into: Mapping[str, torch.Tensor] | None,
         streams: int,
+        version: int = 0,
     ) -> dict[str, torch.Tensor]:
         """The layout's slices over ``streams`` concurrent Fetch streams (:mod:`.streams`).
 
@@ -468,7 +497,7 @@ class WeightClient:
             )
         from .resumable import ResumeReport  # lazily, as everything that makes tensors
 
-        described = {t.name: t.nbytes for t in self.describe(model).tensors}
+        described = {t.name: t.nbytes for t in self.describe(model, version=version).tensors}
         wanted = names or list(described)
         groups = split_by_bytes([(n, described.get(n, 0)) for n in wanted], streams)
         reports = [ResumeReport() for _ in groups]
@@ -482,6 +511,7 @@ class WeightClient:
                 stub=self._stream_stub(i),
                 report=reports[i],
                 on_tensor=progress,
+                version=version,
             )
 
         try:
@@ -500,6 +530,7 @@ class WeightClient:
         stub: RawFetchStub | None = None,
         report: ResumeReport | None = None,
         on_tensor: ProgressFn | None = None,
+        version: int = 0,
     ) -> dict[str, torch.Tensor]:
         """The layout's slices, streamed and digest-checked, on the CPU.
 
@@ -515,6 +546,7 @@ class WeightClient:
             max_chunk_bytes=self.chunk_bytes,
             # SHA-256 is what an empty field means: the request stays as it always was.
             slice_digest="" if self.slice_digest == SLICE_DIGEST_ALGORITHM else self.slice_digest,
+            version=version,
         )
         if report is None:
             report = ResumeReport()

@@ -22,6 +22,8 @@ class ModelInfo:
     #: or "broken"; "" from a daemon that predates the field.
     state: str = ""
     reason: str = ""  # why, when not ready: names the file and what changed
+    #: The current version number (0 from a daemon that predates versions, or loading).
+    version: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,13 @@ class ModelDescription:
     files: tuple[FileDigest, ...] = ()
     #: Identity of the served content (config and every verified tensor digest).
     model_fingerprint: str = ""
+    #: The version described (0 from a daemon that predates versions).
+    version: int = 0
 
 
 def model_info_of(m: pb.ModelSummary) -> ModelInfo:
     return ModelInfo(
-        m.name, m.architecture, m.total_bytes, m.num_tensors, m.ready, m.state, m.reason
+        m.name, m.architecture, m.total_bytes, m.num_tensors, m.ready, m.state, m.reason, m.version
     )
 
 
@@ -75,4 +79,5 @@ def description_of(d: pb.ModelDescription) -> ModelDescription:
         ),
         tuple(FileDigest(f.name, f.size, f.sha256) for f in d.files),
         d.model_fingerprint,
+        d.version,
     )

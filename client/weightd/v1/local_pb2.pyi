@@ -116,6 +116,7 @@ class AcquirePack(_message.Message):
     PLACEMENT_FIELD_NUMBER: _builtins.int
     GPU_UUID_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """empty: the daemon's only model"""
     placement: Global___Placement.ValueType
@@ -125,6 +126,11 @@ class AcquirePack(_message.Message):
     """Set: the pack of the current version of this LoRA adapter (model and names must
     be empty). The pack is keyed by (adapter, version, layout), and its lease also
     holds that version in the adapter registry until the connection ends.
+    """
+    version: _builtins.int
+    """The model version (VersionInfo.version); 0: the current one. A daemon that
+    predates the field ignores it: a client that asked for a version checks
+    PackGrant.version.
     """
     @_builtins.property
     def layout(self) -> _weightd_pb2.Layout: ...
@@ -143,10 +149,11 @@ class AcquirePack(_message.Message):
         placement: Global___Placement.ValueType = ...,
         gpu_uuid: _builtins.str = ...,
         adapter: _builtins.str = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "names", b"names", "placement", b"placement"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "names", b"names", "placement", b"placement", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -294,6 +301,7 @@ class PackGrant(_message.Message):
     BUILT_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
     HUGE_PAGES_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     boot_id: _builtins.str
     pack_id: _builtins.int
     model: _builtins.str
@@ -310,6 +318,8 @@ class PackGrant(_message.Message):
     """this request built the pack (false: it was shared)"""
     huge_pages: _builtins.bool
     """PLACEMENT_HOST: allocated in shmem huge pages (where the kernel gives them)"""
+    version: _builtins.int
+    """the model version the pack holds; 0 from a daemon that predates versions"""
     @_builtins.property
     def layout(self) -> _weightd_pb2.Layout: ...
     @_builtins.property
@@ -334,10 +344,11 @@ class PackGrant(_message.Message):
         built: _builtins.bool = ...,
         adapter: _weightd_pb2.AdapterInfo | None = ...,
         huge_pages: _builtins.bool = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "boot_id", b"boot_id", "built", b"built", "cuda_ipc_handle", b"cuda_ipc_handle", "entries", b"entries", "gpu_uuid", b"gpu_uuid", "huge_pages", b"huge_pages", "layout", b"layout", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "boot_id", b"boot_id", "built", b"built", "cuda_ipc_handle", b"cuda_ipc_handle", "entries", b"entries", "gpu_uuid", b"gpu_uuid", "huge_pages", b"huge_pages", "layout", b"layout", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -41,7 +41,7 @@ def add_fetch_parser(sub: Any) -> None:
 
 
 def add_parsers(sub: Any) -> None:
-    """``weightd list``, ``describe``, ``health`` and ``reload``."""
+    """``weightd list``, ``describe``, ``health``, ``reload`` and ``publish``."""
     ls = sub.add_parser("list", help="list the models a daemon serves")
     ls.add_argument("target")
     _add_client_tls_args(ls)
@@ -63,6 +63,22 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--model", default=None)
     r.add_argument("--timeout", type=float, default=None)
     _add_client_tls_args(r)
+
+    p = sub.add_parser(
+        "publish",
+        help="serve a new checkpoint (a directory or s3:// prefix) as a model's next version "
+        "(admin listener only)",
+    )
+    p.add_argument("source", help="an absolute checkpoint directory or an s3:// prefix")
+    p.add_argument("--model", default=None, help="the served model (default: the only one)")
+    p.add_argument(
+        "--admin",
+        default=None,
+        help="the admin address (default: admin.sock beside the default worker socket)",
+    )
+    p.add_argument("--manifest", default=None, help="the checkpoint's manifest (file or s3://)")
+    p.add_argument("--timeout", type=float, default=None)
+    _add_client_tls_args(p)
 
 
 def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
@@ -214,6 +230,32 @@ def health_failure(target: str, service: str, code: grpc.StatusCode, detail: str
     if silent or (code == grpc.StatusCode.UNAVAILABLE and not_connected(detail)):
         return f"UNREACHABLE ({unreachable(target, f'{code.name}: {detail}')})"
     return f"{code.name} (the daemon answered: {detail})"
+
+
+def run_publish(args: argparse.Namespace) -> int:
+    import os
+
+    from weightd.client import AdminClient
+    from weightd.common.sockets import default_socket_path
+
+    creds = _credentials(args)
+    source = args.source
+    if "://" not in source:
+        source = os.path.abspath(source)  # the daemon refuses relative paths
+    admin = (
+        args.admin or f"unix://{os.path.join(os.path.dirname(default_socket_path()), 'admin.sock')}"
+    )
+    with (
+        _daemon_at(admin) as target,
+        AdminClient(target, timeout=args.timeout, credentials=creds) as client,
+    ):
+        r = client.publish(source, model=args.model, manifest=args.manifest)
+    print(
+        f"published {r.model} version {r.version} from {r.source}: {r.num_tensors} tensors, "
+        f"{r.total_bytes} bytes verified in {r.verify_seconds:.2f}s, {r.packs_built} packs "
+        f"prepared in {r.prepare_seconds:.2f}s"
+    )
+    return 0
 
 
 def run_reload(args: argparse.Namespace) -> int:

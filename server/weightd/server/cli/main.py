@@ -22,6 +22,7 @@ from .client_commands import (
     run_fetch,
     run_health,
     run_list,
+    run_publish,
     run_reload,
 )
 from .client_commands import add_parsers as add_client_parsers
@@ -145,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only the client commands import the client (and fetch torch, to make tensors):
     # verify, manifest, serve, list and describe start seconds faster without it.
     explained: tuple[type[Exception], ...] = (WeightdError,)
-    if args.command in ("fetch", "list", "describe", "reload"):
+    if args.command in ("fetch", "list", "describe", "reload", "publish"):
         from weightd.client.errors import WeightdError as ClientError
 
         explained = (WeightdError, ClientError)
@@ -179,6 +180,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_health(args)
     if args.command == "reload":
         return run_reload(args)
+    if args.command == "publish":
+        return run_publish(args)
     if args.command == "verify":
         return run_verify(args)
     if args.command == "manifest":

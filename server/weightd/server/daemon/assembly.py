@@ -30,6 +30,7 @@ from ..rpc.guards import AdminGate
 from ..rpc.interceptors import InflightTracker, RpcObserver
 from ..rpc.requests import RequestGuard
 from ..rpc.streams import StreamBounds, StreamWatchdog
+from ..rpc.versions import Versions
 from ..rpc.weights import WeightsService, add_weights_service
 from ..rpc.wire import WEIGHTS_SERVICE
 from ..sources.location import default_model_name
@@ -52,6 +53,7 @@ from .collectors import (
     adapter_metrics,
 )
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
+from .versioning import VersionCollector, create_versions, finish_versions
 
 log = logging.getLogger("weightd")
 
@@ -92,6 +94,9 @@ class Daemon:
     #: Brings ``s3://`` models and adapters into the local cache.
     resolver: SourceResolver | None = None
 
+    #: Model versions: holds, the watch stream, Publish (``daemon/versioning.py``).
+    versions: Versions | None = None
+
     @property
     def target(self) -> str:
         return self.address.grpc_target
@@ -126,6 +131,8 @@ class Daemon:
         self.health.enter_graceful_shutdown()
         if self.adapters is not None:
             self.adapters.close()  # watch streams end now, not at the end of the grace
+        if self.versions is not None:
+            self.versions.close()
         for event in [s.stop(grace) for s in self.grpc_servers]:
             event.wait()
         self.close()
@@ -136,6 +143,8 @@ class Daemon:
             self.watcher.close()  # first: it reads the stores the registry closes
         if self.adapters is not None:
             self.adapters.close()
+        if self.versions is not None:
+            self.versions.close()
         if self.local is not None:
             self.local.close()
         if self.watchdog is not None:
@@ -242,12 +251,14 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             resolver=resolver,
         )
         adapters = Adapters(adapter_service)
+        versions = create_versions(registry)
         service = WeightsService(
             registry,
             server_config.chunk_bytes,
             adapters,
             resumes=metrics.fetch_resumes if metrics is not None else None,
             rehash=server_config.fetch_rehash,
+            versions=versions,
         )
         add_weights_service(service, server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -266,6 +277,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             locks=locks,
             adapters=adapters,
             resolver=resolver,
+            versions=versions,
         )
         daemon.reloader = Reloader(
             registry,
@@ -285,10 +297,12 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             )
             if metrics_registry is not None:
                 _register_local_collectors(metrics_registry, daemon.local)
+        finish_versions(versions, daemon.reloader, daemon.local)
         if metrics_registry is not None:
             adapter_service.metrics = adapter_metrics(
                 metrics_registry, adapter_service, daemon.local
             )
+            metrics_registry.register(VersionCollector(versions.versions.held))
         if warning:
             log.warning("%s", warning)
         if admin_address is not None:
@@ -296,7 +310,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
                 shared = os.path.dirname(admin_address.path) == os.path.dirname(address.path)
                 locks.append(prepare_unix_socket(admin_address.path, group=group and shared))
             daemon.admin_server = listeners.admin_server(
-                daemon.reloader, observer, allowed, adapters, watchdog
+                daemon.reloader, observer, allowed, adapters, watchdog, versions
             )
             daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
         if config.health.listen is not None:

@@ -26,6 +26,7 @@ from ..rpc.health import ListenerHealth
 from ..rpc.interceptors import RpcObserver
 from ..rpc.requests import RequestGuard
 from ..rpc.streams import StreamBounds, StreamWatchdog
+from ..rpc.versions import Versions
 from .addresses import Address, parse_address
 from .security import TlsMaterial
 from .sockets import restrict_socket
@@ -103,9 +104,10 @@ def admin_server(
     allowed: frozenset[str] | None,
     adapters: Adapters | None = None,
     watchdog: StreamWatchdog | None = None,
+    versions: Versions | None = None,
 ) -> grpc.Server:
     bounds = StreamBounds(watchdog, ADMIN_MAX_STREAMS, "admin")
-    return create_admin_server(reloader, observer, allowed, adapters, bounds)
+    return create_admin_server(reloader, observer, allowed, adapters, bounds, versions)
 
 
 #: Threads of the health listener, and the Watch streams it holds at most: the rest

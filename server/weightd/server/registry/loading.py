@@ -139,6 +139,33 @@ class Reloader:
             raise ModelNotReady(f"model {name!r} is still being verified; reload it afterwards")
         raise ModelNotFound(f"model {name!r} is not served here (serving: {', '.join(every)})")
 
+    # --- what a Publisher shares (registry/publish.py) ------------------------------
+
+    @property
+    def registry(self) -> ModelRegistry:
+        return self._registry
+
+    @property
+    def options(self) -> VerifyOptions | None:
+        return self._options
+
+    @property
+    def resolver(self) -> SourceResolver | None:
+        return self._resolver
+
+    @property
+    def metrics(self) -> Metrics | None:
+        return self._metrics
+
+    def current_model(self, name: str) -> LoadedModel:
+        """The published model ``name`` (empty: the only one), broken ones included."""
+        return self._current(name)
+
+    def follow(self, name: str, source: str) -> None:
+        """Reload ``name`` from ``source`` from now on (a published version's source)."""
+        with self._guard:
+            self._sources[name] = source
+
     @contextlib.contextmanager
     def exclusive(self, name: str) -> Iterator[None]:
         """Hold ``name``'s reload lock, so that nothing else reloads it meanwhile (the file

@@ -16,21 +16,25 @@ import grpc
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from ..base.errors import NoAdapters
+from ..base.errors import InvalidRequest, NoAdapters
 from ..registry.loading import Reloader
 from .adapters import Adapters
 from .guards import AdminAuthorizer
 from .interceptors import RpcObserver
 from .requests import RequestGuard
 from .status import unary
+from .versions import Versions
 
 log = logging.getLogger("weightd.admin")
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, reloader: Reloader, adapters: Adapters | None = None) -> None:
+    def __init__(
+        self, reloader: Reloader, adapters: Adapters | None = None, versions: Versions | None = None
+    ) -> None:
         self._reloader = reloader
         self._adapters = adapters
+        self._versions = versions
 
     def _a(self) -> Adapters:
         if self._adapters is None:
@@ -78,6 +82,14 @@ class AdminService(pb_grpc.AdminServicer):
             verify_seconds=result.seconds,
         )
 
+    @unary
+    def Publish(
+        self, request: pb.PublishRequest, context: grpc.ServicerContext
+    ) -> pb.PublishResponse:
+        if self._versions is None:
+            raise InvalidRequest("this daemon publishes no versions")
+        return self._versions.publish(request)
+
 
 def create_admin_server(
     reloader: Reloader,
@@ -85,6 +97,7 @@ def create_admin_server(
     allowed: frozenset[str] | None,
     adapters: Adapters | None = None,
     bounds: grpc.ServerInterceptor | None = None,
+    versions: Versions | None = None,
 ) -> grpc.Server:
     """A small gRPC server carrying only the Admin service (ports are added by the caller).
 
@@ -99,5 +112,5 @@ def create_admin_server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10)],
         maximum_concurrent_rpcs=4,
     )
-    pb_grpc.add_AdminServicer_to_server(AdminService(reloader, adapters), server)
+    pb_grpc.add_AdminServicer_to_server(AdminService(reloader, adapters, versions), server)
     return server

@@ -19,6 +19,7 @@ The order is the trust argument:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -166,6 +167,13 @@ class SourceResolver:
         #: never removes one of them, since the model may still be serving from it.
         self._handed: dict[str, list[str]] = {}
         self._retries_seen = 0
+
+    def with_verify(self, verify: VerifyOptions) -> SourceResolver:
+        """This resolver verifying with ``verify`` (a publish naming its own manifest);
+        the cache, its locks and the directories handed out stay shared."""
+        other = copy.copy(self)
+        other.verify = verify
+        return other
 
     @property
     def store(self) -> S3Store:

@@ -25,6 +25,7 @@ EVENTS: Final = frozenset(
     {"start", "listening", "verified", "serving", "reload", "verify_failed", "drain", "exit"}
     | {"file_changed", "restore"}  # the file watcher (filewatch.py)
     | {"download"}  # remote sources (sources/resolver.py)
+    | {"publish"}  # a trainer's new version (registry/publish.py)
 )
 
 _EVENT_ATTR: Final = "weightd_event"

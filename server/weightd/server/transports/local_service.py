@@ -54,7 +54,8 @@ from ..base.errors import (
 from ..packs.build import HostPack, build_host_pack, layout_pack
 from ..packs.cache import Lease, PackCache
 from ..plan.layout import Layout
-from ..registry.models import ModelRegistry
+from ..registry.models import LoadedModel, ModelRegistry
+from ..registry.versions import ModelVersions
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer, wire_layout
 from .options import LocalConfig
@@ -99,6 +100,9 @@ class PackService:
     ) -> None:
         self.registry = registry
         self.adapters = adapters
+        #: Resolves a request's model version (``AcquirePack.version``); None: only the
+        #: current version is served (the daemon sets it when it has versions).
+        self.versions: ModelVersions | None = None
         #: Open side-channel connections, for stats; the socket server sets it.
         self.connections: Callable[[], int] = lambda: 0
         self.boot_id = uuid.uuid4().hex
@@ -182,12 +186,32 @@ class PackService:
     def _acquire(self, req: lpb.AcquirePack) -> Outcome:
         if req.adapter:
             return self._acquire_adapter(req)
-        model = self.registry.get(req.model)
+        if self.versions is not None:
+            model = self.versions.resolve(req.model, req.version)
+        else:
+            model = self.registry.get(req.model)
         # The whole layout, validated and planned by the same code as a gRPC Fetch: a
         # pipeline stage or an expert rank gets exactly what Fetch would stream it.
         layout = Layout.of(req.layout)
         if req.names:
             model.plan_layout(layout, tuple(req.names))  # unknown or repeated names fail here
+        host = self.host_pack(model, layout)
+        key, info = (model.fingerprint, layout), host.info
+        assert isinstance(info, PackInfo)
+        if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
+            out = answer(self.boot_id, host, list(req.names))
+        else:
+            out = answer(self.boot_id, self._place(req, host, key, info), list(req.names))
+        if out.response.HasField("grant"):
+            out.response.grant.version = model.version
+        return out
+
+    def host_pack(self, model: LoadedModel, layout: Layout) -> Lease[HostPack]:
+        """A lease on ``model``'s host pack of ``layout``, built now (once) if absent.
+
+        ``model`` need not be published yet: a new version's packs are built before
+        it is announced (:mod:`.prepare`).
+        """
         plan = model.plan_layout(layout)
         key = (model.fingerprint, layout)
         label = f"{model.name}:{pack_label(layout)}"
@@ -215,10 +239,7 @@ class PackService:
             return layout_pack(plan.slices)[1]
 
         info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST)
-        host = self.host.acquire(key, size, info, build)
-        if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
-            return answer(self.boot_id, host, list(req.names))
-        return answer(self.boot_id, self._place(req, host, key, info), list(req.names))
+        return self.host.acquire(key, size, info, build)
 
     def _acquire_adapter(self, req: lpb.AcquirePack) -> Outcome:
         """The current version of adapter ``req.adapter``: its pack, leased with the version."""
