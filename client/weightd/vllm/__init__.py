@@ -12,6 +12,8 @@ from __future__ import annotations
 
 def register() -> None:
     """vLLM's plugin hook: make ``load_format="weightd"`` known. Safe to call repeatedly."""
+    from .backend import register_transfer
     from .loader import register_loader
 
     register_loader()
+    register_transfer()  # weight_transfer_config={"backend": "weightd"}

@@ -154,10 +154,10 @@ def presharded_reloading(model: torch.nn.Module) -> Iterator[None]:
                 else:
                     wrapped = _linear(original)
                 installed.append((param, current))
-                param.weight_loader = wrapped  # type: ignore[attr-defined]
+                param.weight_loader = wrapped
                 if current is not original:  # vLLM buffers this layer: buffer around ours
-                    param.weight_loader = make_online_process_loader(module, pname)  # type: ignore[attr-defined]
+                    param.weight_loader = make_online_process_loader(module, pname)
         yield
     finally:
         for param, loader in reversed(installed):
-            param.weight_loader = loader  # type: ignore[attr-defined]
+            param.weight_loader = loader
