@@ -67,7 +67,7 @@ def admin_of(d: RunningDaemon) -> AdminClient:
 
 
 def scrape(d: RunningDaemon) -> str:
-    with urllib.request.urlopen(d.address('metrics'), timeout=30) as r:
+    with urllib.request.urlopen(d.address("metrics"), timeout=30) as r:
         return r.read().decode()
 
 

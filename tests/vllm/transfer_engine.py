@@ -130,7 +130,9 @@ def main() -> None:
                 send({"ok": True})
                 break
             if op == "state":
-                send({"state": llm.collective_rpc(worker_state), "version": llm.get_weight_version()})
+                send(
+                    {"state": llm.collective_rpc(worker_state), "version": llm.get_weight_version()}
+                )
             elif op == "generate":
                 params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
                 outs = llm.generate(
@@ -153,11 +155,15 @@ def main() -> None:
             elif op == "update":
                 version = command.pop("version")
                 try:
-                    got = update_llm(
-                        llm, version, target=args.target, model=args.model, **command
-                    )
+                    got = update_llm(llm, version, target=args.target, model=args.model, **command)
                 except Exception as exc:  # the test asserts on the message
-                    send({"error": f"{type(exc).__name__}: {exc}", "reports": llm.collective_rpc(worker_report), "version": llm.get_weight_version()})
+                    send(
+                        {
+                            "error": f"{type(exc).__name__}: {exc}",
+                            "reports": llm.collective_rpc(worker_report),
+                            "version": llm.get_weight_version(),
+                        }
+                    )
                 else:
                     send({"ok": True, "version": got, "reports": llm.collective_rpc(worker_report)})
             else:

@@ -4,13 +4,15 @@
   one command at a time (its replies come on a pipe of their own; vLLM's logs go to a
   file). Several engines can run at once; each step waits for its reply.
 * :class:`ByteProxy` is a TCP proxy on loopback in front of the daemon's Unix socket
-  that a test turns hostile: ``hold()`` stops forwarding the daemon's bytes to the
-  client (the fetch stalls mid-stream) until ``release()``; ``cut()`` closes every
-  connection now and each later one as soon as it opens (the fetch is cut off).
+  that a test turns hostile: ``stall_after(n)`` stops forwarding the daemon's bytes to
+  the client once ``n`` of them went through (the fetch stalls mid-stream) until
+  ``release()``; ``cut()`` closes every connection now and each later one as soon as
+  it opens (the fetch is cut off).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -134,17 +136,26 @@ class ByteProxy:
         self._flowing = threading.Event()
         self._flowing.set()
         self._cut = False
+        self._stall_at: int | None = None
         self._conns: list[socket.socket] = []
         #: Bytes the daemon sent through this proxy (forwarded or not yet).
         self.from_daemon = 0
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def hold(self) -> None:
-        self._flowing.clear()
+    def stall_after(self, n: int) -> None:
+        """Forward the daemon's first ``n`` bytes (from now), then hold the rest back."""
+        with self._lock:
+            self._stall_at = self.from_daemon + n
 
     def release(self) -> None:
+        with self._lock:
+            self._stall_at = None
         self._flowing.set()
+
+    @property
+    def stalled(self) -> bool:
+        return not self._flowing.is_set()
 
     def cut(self) -> None:
         with self._lock:
@@ -154,12 +165,12 @@ class ByteProxy:
             _close(c)
         self._flowing.set()
 
-    def wait_bytes(self, n: int, timeout: float = 300) -> None:
-        """Until the daemon has sent at least ``n`` bytes through the proxy."""
+    def wait_stalled(self, timeout: float = 300) -> None:
+        """Until the proxy holds the daemon's bytes back (see :meth:`stall_after`)."""
         deadline = time.monotonic() + timeout
-        while self.from_daemon < n:
+        while not self.stalled:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {self.from_daemon} bytes from the daemon in {timeout}s")
+                raise TimeoutError(f"not stalled after {self.from_daemon} bytes in {timeout}s")
             time.sleep(0.05)
 
     def _accept(self) -> None:
@@ -186,6 +197,8 @@ class ByteProxy:
                     break
                 if from_daemon:
                     with self._lock:
+                        if self._stall_at is not None and self.from_daemon >= self._stall_at:
+                            self._flowing.clear()
                         self.from_daemon += len(data)
                     self._flowing.wait()
                 if self._cut:
@@ -204,8 +217,6 @@ class ByteProxy:
 
 
 def _close(s: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     s.close()

@@ -42,9 +42,11 @@ version: pass the daemon's number (:func:`weightd.vllm.rl.update_llm` does).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -134,6 +136,24 @@ class UpdateReport:
     share: LoadReport | None = None
 
 
+def _creating_worker() -> Any:
+    """The vLLM ``Worker`` whose ``load_model`` is creating this engine, or None.
+
+    Found by walking up the creating frames to the object that has the worker's update
+    session flag (``Worker._weight_update_active``, vLLM 0.32's ``v1/worker/gpu_worker.py``,
+    which the CPU worker inherits): see :meth:`WeightdWeightTransferEngine.update_weights`
+    for why a rank must end its session itself. None (every rank then raises) when the
+    structure is not the one expected.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if hasattr(candidate, "_weight_update_active") and hasattr(candidate, "model_runner"):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
 def _all_gather(obj: Any) -> list[Any]:
     """``obj`` of every rank of this engine, in rank order (vLLM's CPU process group)."""
     from vllm.distributed.parallel_state import get_world_group
@@ -157,6 +177,7 @@ class WeightdWeightTransferEngine(
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._worker = _creating_worker()
         self.defaults = WeightdInitInfo()
         #: The daemon version these weights are (0: what the engine started with).
         self.version = 0
@@ -178,7 +199,29 @@ class WeightdWeightTransferEngine(
         """Nothing left: ``update_weights`` applied the version on every rank, or none."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        """:meth:`receive_weights`; a failure is raised by the engine's last rank only.
+
+        Why: vLLM's multiprocess executor reads the workers' replies in rank order and
+        raises at the first failure, leaving the later ranks' replies queued, where the
+        engine's next ``collective_rpc`` reads them as its own (``get_response`` in
+        ``v1/executor/multiproc_executor.py``): after a failure raised on every rank,
+        every later call to every worker of a TP=2 engine failed. Every rank knows the
+        outcome (they agreed on it), so the others end their update session as vLLM
+        would have on an error (``Worker.update_weights``) and return; the last rank
+        raises the one error, which the engine reports.
+        """
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except WeightdUpdateError:
+            worker = self._worker
+            if group.rank_in_group == group.world_size - 1 or worker is None:
+                raise
+            worker._weight_update_active = False
+            self.reset_weight_update_target()
+            return
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 

@@ -1,0 +1,302 @@
+"""A running vLLM engine moving to a new checkpoint: weightd's update vs vLLM's reload vs a restart.
+
+    .venv-vllm/bin/python bench/vllm_update.py [--rounds 3] [--tp 1,2] [--layers 10]
+
+Writes two deterministic random Llama-style checkpoints of the same shapes (TinyLlama
+widths, GQA 32/4, bf16; 10 layers: 1.14 GB each; never downloaded, never committed)
+and serves the first with ``weightd serve`` on a private Unix socket. Then, per TP
+size, one engine process (``weight_transfer_config={"backend": "weightd"}``, started
+from disk on the first checkpoint) alternates, ``--rounds`` times, between:
+
+* **weightd**: the other checkpoint is published (``AdminClient.publish``: verified,
+  the packs of the layouts in use prepared), and from the moment the engine's
+  ``WatchVersions`` stream says READY, the time until every rank generated a token with
+  it: ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` with the
+  daemon's version (each rank holds it, fetches and verifies its own share over shared
+  memory, all apply in place), then one greedy token;
+* **reload**: vLLM's own in-place reload from the other checkpoint's directory
+  (``reload_weights(weights_path=...)``, vLLM's layer-wise reload over its default
+  safetensors loader: every rank reads what it needs from the files), then one token;
+
+and last, **restart**: a fresh engine process started on the other checkpoint, timed
+from spawning it to its first token (and ``LLM()`` to first token inside it).
+
+Each switch's greedy token is checked against the token the same version gave by the
+other method, so a method that loaded the wrong bytes would show. Bytes: what each rank
+received from the daemon (its share), per update. Load averages are read before and
+after each TP size: these machines are shared, read ratios, not absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PROMPT = [1, 306, 4966, 304, 1827]
+
+
+def _env(tp: int) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    if tp == 2:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+
+
+def _llm(directory: str, tp: int, mem: float) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=directory,
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=mem,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        dtype="bfloat16",
+        weight_transfer_config={"backend": "weightd"},
+    )
+
+
+def _token(llm: Any) -> int:
+    from vllm import SamplingParams
+
+    out = llm.generate(
+        [{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False
+    )
+    return int(out[0].outputs[0].token_ids[0])
+
+
+def worker_bytes(worker: Any) -> int:
+    last = getattr(worker.weight_transfer_engine, "last", None)
+    return last.share.bytes if last is not None and last.share is not None else 0
+
+
+def child_switch(args: argparse.Namespace) -> None:
+    """One engine: alternate weightd updates and vLLM reloads; print RESULT lines."""
+    _env(args.tp)
+    from weightd.client import AdminClient, WeightClient
+    from weightd.vllm.rl import update_llm
+
+    dirs = args.dirs.split(",")
+    llm = _llm(dirs[0], args.tp, args.mem)
+    _token(llm)  # warm
+    ready: queue.Queue[tuple[float, int, str]] = queue.Queue()
+    client = WeightClient(args.target, timeout=600)
+    watch = client.watch_versions("m")
+
+    def follow() -> None:
+        for event in watch:
+            if event.kind == "ready":
+                ready.put((time.perf_counter(), event.info.version, event.info.source))
+
+    threading.Thread(target=follow, daemon=True).start()
+    ready.get(timeout=60)  # the current version, announced first
+    admin = AdminClient(args.admin, timeout=600)
+    current = 0
+    for _ in range(args.rounds):
+        for method in ("weightd", "reload"):
+            current = 1 - current
+            directory = dirs[current]
+            if method == "weightd":
+                t0 = time.perf_counter()
+                published = admin.publish(directory, model="m")
+                t_ready, version, _source = ready.get(timeout=600)
+                assert version == published.version, (version, published.version)
+                update_llm(llm, version, target=args.target, model="m")
+                token = _token(llm)
+                done = time.perf_counter()
+                result = {
+                    "seconds": done - t_ready,
+                    "publish_s": t_ready - t0,
+                    "verify_s": published.verify_seconds,
+                    "prepare_s": published.prepare_seconds,
+                    "packs_built": published.packs_built,
+                    "bytes": llm.collective_rpc(worker_bytes),
+                    "weight_version": llm.get_weight_version(),
+                }
+            else:
+                t0 = time.perf_counter()
+                llm.collective_rpc(
+                    "reload_weights",
+                    kwargs={"weights_path": directory, "is_checkpoint_format": True},
+                )
+                llm.reset_prefix_cache()
+                token = _token(llm)
+                result = {"seconds": time.perf_counter() - t0}
+            result.update(method=method, version_dir=current, token=token)
+            print("RESULT " + json.dumps(result), flush=True)
+    watch.close()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def child_restart(args: argparse.Namespace) -> None:
+    _env(args.tp)
+    t0 = time.perf_counter()
+    llm = _llm(args.dirs.split(",")[0], args.tp, args.mem)
+    token = _token(llm)
+    print(
+        "RESULT " + json.dumps({"llm_to_token_s": time.perf_counter() - t0, "token": token}),
+        flush=True,
+    )
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[list[dict[str, Any]], str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    out = [
+        json.loads(line[len("RESULT ") :])
+        for line in proc.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[2:5]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out, proc.stdout + proc.stderr
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def bench_tp(
+    args: argparse.Namespace, tp: int, dirs: list[Path], target: str, admin: str
+) -> dict[str, Any]:
+    base = [sys.executable, __file__, "--tp", str(tp), "--mem", str(args.mem)]
+    load_before = _load()
+    switches, _ = _run(
+        [
+            *base,
+            "--child-switch",
+            *("--dirs", ",".join(map(str, dirs)), "--target", target, "--admin", admin),
+            *("--rounds", str(args.rounds)),
+        ],
+        args.timeout,
+    )
+    spawned = time.perf_counter()
+    restart, _ = _run([*base, "--child-restart", "--dirs", str(dirs[1])], args.timeout)
+    restart[0]["seconds"] = time.perf_counter() - spawned
+    restart[0]["method"] = "restart"
+    restart[0]["version_dir"] = 1
+    load_after = _load()
+    return {
+        "tp": tp,
+        "switches": switches,
+        "restart": restart[0],
+        "load": [load_before, load_after],
+    }
+
+
+def _median(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f}" if xs else "-"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [
+        "| TP | method | rounds | version ready -> every rank generating (s), median [all] | "
+        "bytes received per rank (MiB) | publish: verify + prepare (s), median | "
+        "load avg before / after |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        tokens: dict[int, set[int]] = {}
+        for s in [*r["switches"], r["restart"]]:
+            tokens.setdefault(s["version_dir"], set()).add(s["token"])
+        agree = all(len(v) == 1 for v in tokens.values())
+        for method in ("weightd", "reload"):
+            xs = [s for s in r["switches"] if s["method"] == method]
+            secs = [s["seconds"] for s in xs]
+            every = ", ".join(f"{x:.2f}" for x in secs)
+            mib = "-"
+            pub = "-"
+            if method == "weightd" and xs:
+                per_rank = [b / 2**20 for b in xs[-1]["bytes"]]
+                mib = " / ".join(f"{b:.0f}" for b in per_rank)
+                pub = f"{_median([s['verify_s'] for s in xs])} + {_median([s['prepare_s'] for s in xs])}"
+            label = "weightd update" if method == "weightd" else "vLLM reload_weights (disk)"
+            rows.append(
+                f"| {r['tp']} | {label} | {len(xs)} | {_median(secs)} [{every}] | {mib} | {pub} | "
+                f"{r['load'][0]} / {r['load'][1]} |"
+            )
+        rs = r["restart"]
+        rows.append(
+            f"| {r['tp']} | restart (spawn -> first token; LLM() -> token {rs['llm_to_token_s']:.1f}) "
+            f"| 1 | {rs['seconds']:.1f} | - | - | {r['load'][0]} / {r['load'][1]} |"
+        )
+        rows.append(f"| {r['tp']} | same token per version by every method | | {agree} |||")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child-switch", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-restart", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dirs", help=argparse.SUPPRESS)
+    ap.add_argument("--target", help=argparse.SUPPRESS)
+    ap.add_argument("--admin", help=argparse.SUPPRESS)
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=10, help="decoder layers (10: 1.14 GB)")
+    ap.add_argument("--mem", type=float, default=0.4, help="gpu_memory_utilization")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per engine process")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    if args.child_switch or args.child_restart:
+        args.tp = int(args.tp)
+        (child_switch if args.child_switch else child_restart)(args)
+        return
+    from bench.ckpt import BENCH_CONFIG
+    from weightd.server.cli.demo import write_llama_checkpoint
+
+    config = {**BENCH_CONFIG, "num_hidden_layers": args.layers}
+    with tempfile.TemporaryDirectory(prefix="weightd-vllm-update-") as tmp:
+        dirs = []
+        for seed in (0, 1):
+            d = Path(tmp) / f"v{seed}"
+            write_llama_checkpoint(str(d), config, shards=3, seed=seed)
+            dirs.append(d)
+        size = sum(p.stat().st_size for p in dirs[0].glob("*.safetensors"))
+        print(f"checkpoints: 2 x {size / 1e9:.2f} GB in {tmp}", flush=True)
+        sock = Path(tmp) / "run" / "weightd.sock"
+        log = open(Path(tmp) / "daemon.log", "w")  # noqa: SIM115 -- lives as long as the daemon
+        serve = ["serve", "--listen", f"unix://{sock}", "--model", f"m={dirs[0]}"]
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "weightd.server.cli.main", *serve],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, WEIGHTD_CACHE_DIR=str(Path(tmp) / "cache")),
+        )
+        results = []
+        try:
+            from tests.health import wait_serving  # pytest-free: .venv-vllm has none
+
+            wait_serving(f"unix://{sock}", daemon, Path(tmp) / "daemon.log", timeout=600)
+            admin = f"unix://{sock.parent / 'admin.sock'}"
+            for tp in [int(x) for x in args.tp.split(",")]:
+                r = bench_tp(args, tp, dirs, f"unix://{sock}", admin)
+                print(json.dumps(r)[:2000], flush=True)
+                results.append(r)
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(60)
+            log.close()
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
