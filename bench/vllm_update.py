@@ -225,7 +225,8 @@ def table(results: list[dict[str, Any]]) -> str:
             if method == "weightd" and xs:
                 per_rank = [b / 2**20 for b in xs[-1]["bytes"]]
                 mib = " / ".join(f"{b:.0f}" for b in per_rank)
-                pub = f"{_median([s['verify_s'] for s in xs])} + {_median([s['prepare_s'] for s in xs])}"
+                verify = _median([s["verify_s"] for s in xs])
+                pub = f"{verify} + {_median([s['prepare_s'] for s in xs])}"
             label = "weightd update" if method == "weightd" else "vLLM reload_weights (disk)"
             rows.append(
                 f"| {r['tp']} | {label} | {len(xs)} | {_median(secs)} [{every}] | {mib} | {pub} | "
@@ -233,8 +234,9 @@ def table(results: list[dict[str, Any]]) -> str:
             )
         rs = r["restart"]
         rows.append(
-            f"| {r['tp']} | restart (spawn -> first token; LLM() -> token {rs['llm_to_token_s']:.1f}) "
-            f"| 1 | {rs['seconds']:.1f} | - | - | {r['load'][0]} / {r['load'][1]} |"
+            f"| {r['tp']} | restart (spawn -> first token; LLM() -> token "
+            f"{rs['llm_to_token_s']:.1f}) | 1 | {rs['seconds']:.1f} | - | - | "
+            f"{r['load'][0]} / {r['load'][1]} |"
         )
         rows.append(f"| {r['tp']} | same token per version by every method | | {agree} |||")
     return "\n".join(rows)

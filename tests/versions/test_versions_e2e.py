@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import RunningDaemon, run_daemon, weightd_command
-from tests.models import build_model, expected_slice, read_checkpoint
+from tests.models import VERSIONED_LLAMA, build_model, expected_slice, read_checkpoint
 from weightd.client import AdminClient, Layout, VersionEvent, WeightClient
 from weightd.client.errors import (
     DataLossError,
@@ -31,15 +31,7 @@ from weightd.client.errors import (
 
 pytestmark = pytest.mark.e2e
 
-CONFIG = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    tie_word_embeddings=False,
-)
+CONFIG = VERSIONED_LLAMA
 
 
 @pytest.fixture(scope="module")
