@@ -140,7 +140,16 @@ def test_unknown_and_broken_versions(setup: Setup, dirs: dict[str, Path]) -> Non
     registry.mark_broken(old, "shard changed")
     with pytest.raises(DataIntegrityError, match="version 1 is not served: shard changed"):
         versions.resolve("m", 1)
-    assert versions.resolve("m", 2).version == 2  # the current one is unaffected
+    current = versions.resolve("m", 2)
+    assert current.version == 2  # the current one is unaffected
+    # ... and a broken current one leaves an older held version served
+    versions.hold("m", 2, "x", 60)
+    newest = publish(registry, dirs["v2"])
+    registry.mark_broken(newest, "truncated")
+    with pytest.raises(DataIntegrityError):
+        versions.resolve("m", 0)
+    assert versions.resolve("m", 2) is current
+    assert versions.resolve("", 2) is current
 
 
 @pytest.mark.parametrize(

@@ -157,7 +157,8 @@ def run_list(args: argparse.Namespace) -> int:
             if m.state and m.state not in ("ready", "loading"):
                 state = f"{m.state}: {m.reason}"
             size = f"{m.num_tensors} tensors\t{m.total_bytes} bytes"
-            print(f"{m.name}\t{m.architecture}\t{size}\t{state}")
+            version = f"\tversion {m.version}" if m.version else ""
+            print(f"{m.name}\t{m.architecture}\t{size}\t{state}{version}")
     return 0
 
 

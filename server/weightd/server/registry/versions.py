@@ -198,20 +198,33 @@ class ModelVersions:
         Raises what ``registry.get`` raises for the model, :class:`VersionNotHeld` for a
         version no longer held, :class:`DataIntegrityError` for a broken one.
         """
-        current = self._registry.get(name)  # the model exists and is servable
-        if version in (0, current.version):
+        try:
+            current: LoadedModel | None = self._registry.get(name)
+        except DataIntegrityError:
+            if not version:
+                raise
+            current = None  # the current version is broken; an older held one may serve
+            name = name or self._only_name()
+        if current is not None and version in (0, current.version):
             return current
+        name = current.name if current is not None else name
         self.expire()
         with self._lock:
-            entry = self._entries.get(current.name, {}).get(version)
+            entry = self._entries.get(name, {}).get(version)
             if entry is None:
-                raise self._not_held(current.name, version)
+                raise self._not_held(name, version)
             model = entry.model
         if model.broken is not None:
             raise DataIntegrityError(
                 f"model {model.name!r} version {version} is not served: {model.broken}"
             )
         return model
+
+    def _only_name(self) -> str:
+        """The daemon's only model (what an empty name means); the registry raised for it
+        already if there is not exactly one."""
+        names = self._registry.names()
+        return names[0] if len(names) == 1 else ""
 
     def _not_held(self, name: str, version: int) -> VersionNotHeld:
         held = sorted(self._entries.get(name, {}))
@@ -248,7 +261,7 @@ class ModelVersions:
             "model %s version %d held by %s for at most %.0fs",
             model.name,
             model.version,
-            echo(holder) or "(anonymous)",
+            echo(holder) if holder else "(anonymous)",
             ttl,
         )
         return hold, info
@@ -275,7 +288,7 @@ class ModelVersions:
                     "model %s version %d: hold by %s expired after %.0fs without a release",
                     hold.model,
                     hold.version,
-                    echo(hold.holder) or "(anonymous)",
+                    echo(hold.holder) if hold.holder else "(anonymous)",
                     hold.ttl,
                 )
                 self._unhold_locked(hold)
