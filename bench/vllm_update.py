@@ -9,7 +9,9 @@ size, one engine process (``weight_transfer_config={"backend": "weightd"}``, sta
 from disk on the first checkpoint) alternates, ``--rounds`` times, between:
 
 * **weightd**: the other checkpoint is published (``AdminClient.publish``: verified,
-  the packs of the layouts in use prepared), and from the moment the engine's
+  the packs of the layouts in use prepared; if the daemon already serves it, because
+  vLLM's reload moved only the engine, the first checkpoint is published before it,
+  untimed, so that it is a new version again), and from the moment the engine's
   ``WatchVersions`` stream says READY, the time until every rank generated a token with
   it: ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` with the
   daemon's version (each rank holds it, fetches and verifies its own share over shared
@@ -21,10 +23,13 @@ from disk on the first checkpoint) alternates, ``--rounds`` times, between:
 and last, **restart**: a fresh engine process started on the other checkpoint, timed
 from spawning it to its first token (and ``LLM()`` to first token inside it).
 
-Each switch's greedy token is checked against the token the same version gave by the
-other method, so a method that loaded the wrong bytes would show. Bytes: what each rank
-received from the daemon (its share), per update. Load averages are read before and
-after each TP size: these machines are shared, read ratios, not absolutes.
+The first weightd update of each engine finds no pack of its layout (it started from
+disk) and waits for the daemon to build it; later publishes prepare them (the
+``packs`` column). Each switch's greedy token is checked against the token the same
+version gave by the other method, so a method that loaded the wrong bytes would show.
+Bytes: what each rank received from the daemon (its share), per update. Load averages
+are read before and after each TP size: these machines are shared, read ratios, not
+absolutes.
 """
 
 from __future__ import annotations
@@ -81,6 +86,12 @@ def _token(llm: Any) -> int:
     return int(out[0].outputs[0].token_ids[0])
 
 
+def worker_seconds(worker: Any) -> list[float]:
+    """(hold, stage, apply) seconds of this rank's latest update."""
+    last = worker.weight_transfer_engine.last
+    return [last.hold_seconds, last.stage_seconds, last.apply_seconds]
+
+
 def worker_bytes(worker: Any) -> int:
     last = getattr(worker.weight_transfer_engine, "last", None)
     return last.share.bytes if last is not None and last.share is not None else 0
@@ -105,19 +116,38 @@ def child_switch(args: argparse.Namespace) -> None:
                 ready.put((time.perf_counter(), event.info.version, event.info.source))
 
     threading.Thread(target=follow, daemon=True).start()
-    ready.get(timeout=60)  # the current version, announced first
+    _, current, source = ready.get(timeout=60)  # the current version, announced first
     admin = AdminClient(args.admin, timeout=600)
-    current = 0
-    for _ in range(args.rounds):
+    real = [os.path.realpath(d) for d in dirs]
+
+    def publish(index: int) -> tuple[Any, float]:
+        """Publish ``dirs[index]``; (its reply, when the watch said it is ready)."""
+        nonlocal current
+        published = admin.publish(dirs[index], model="m")
+        if published.version == current:  # the content it serves already: no new version
+            return published, time.perf_counter()
+        while True:
+            t_ready, version, _source = ready.get(timeout=600)
+            if version == published.version:
+                current = version
+                return published, t_ready
+
+    # which checkpoint the engine computes with, and the daemon serves (an earlier TP
+    # size's engine may have left it on either)
+    engine = 0
+    daemon = real.index(os.path.realpath(source)) if os.path.realpath(source) in real else -1
+    for round_ in range(args.rounds):
         for method in ("weightd", "reload"):
-            current = 1 - current
-            directory = dirs[current]
+            target = 1 - engine
             if method == "weightd":
+                if daemon == target:  # vLLM's reload moved the engine, not the daemon:
+                    publish(1 - target)  # make the target a new version again (not timed)
                 t0 = time.perf_counter()
-                published = admin.publish(directory, model="m")
-                t_ready, version, _source = ready.get(timeout=600)
-                assert version == published.version, (version, published.version)
-                update_llm(llm, version, target=args.target, model="m")
+                published, t_ready = publish(target)
+                daemon = target
+                update_llm(
+                    llm, published.version, target=args.target, model="m", verify=args.verify
+                )
                 token = _token(llm)
                 done = time.perf_counter()
                 result = {
@@ -127,18 +157,20 @@ def child_switch(args: argparse.Namespace) -> None:
                     "prepare_s": published.prepare_seconds,
                     "packs_built": published.packs_built,
                     "bytes": llm.collective_rpc(worker_bytes),
+                    "ranks": llm.collective_rpc(worker_seconds),
                     "weight_version": llm.get_weight_version(),
                 }
             else:
                 t0 = time.perf_counter()
                 llm.collective_rpc(
                     "reload_weights",
-                    kwargs={"weights_path": directory, "is_checkpoint_format": True},
+                    kwargs={"weights_path": dirs[target], "is_checkpoint_format": True},
                 )
                 llm.reset_prefix_cache()
                 token = _token(llm)
                 result = {"seconds": time.perf_counter() - t0}
-            result.update(method=method, version_dir=current, token=token)
+            engine = target
+            result.update(method=method, version_dir=target, token=token, round=round_)
             print("RESULT " + json.dumps(result), flush=True)
     watch.close()
     llm.llm_engine.engine_core.shutdown()
@@ -176,6 +208,8 @@ def bench_tp(
     args: argparse.Namespace, tp: int, dirs: list[Path], target: str, admin: str
 ) -> dict[str, Any]:
     base = [sys.executable, __file__, "--tp", str(tp), "--mem", str(args.mem)]
+    if not args.verify:
+        base.append("--no-verify")
     load_before = _load()
     switches, _ = _run(
         [
@@ -207,9 +241,9 @@ def _median(xs: list[float]) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     rows = [
         "| TP | method | rounds | version ready -> every rank generating (s), median [all] | "
-        "bytes received per rank (MiB) | publish: verify + prepare (s), median | "
-        "load avg before / after |",
-        "|---|---|---|---|---|---|---|",
+        "bytes received per rank (MiB) | per rank: hold / stage / apply (s), median | "
+        "publish: verify + prepare (s), median | load avg before / after |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         tokens: dict[int, set[int]] = {}
@@ -219,26 +253,36 @@ def table(results: list[dict[str, Any]]) -> str:
         for method in ("weightd", "reload"):
             xs = [s for s in r["switches"] if s["method"] == method]
             secs = [s["seconds"] for s in xs]
-            every = ", ".join(f"{x:.2f}" for x in secs)
+            every = ", ".join(
+                f"{s['seconds']:.2f}"
+                + (f" (publish built {s['packs_built']} packs)" if "packs_built" in s else "")
+                for s in xs
+            )
             mib = "-"
             pub = "-"
+            parts = "-"
             if method == "weightd" and xs:
+                ranks = len(xs[0]["ranks"])
+                parts = " ; ".join(
+                    " / ".join(_median([s["ranks"][r][i] for s in xs]) for i in range(3))
+                    for r in range(ranks)
+                )
                 per_rank = [b / 2**20 for b in xs[-1]["bytes"]]
                 mib = " / ".join(f"{b:.0f}" for b in per_rank)
                 verify = _median([s["verify_s"] for s in xs])
                 pub = f"{verify} + {_median([s['prepare_s'] for s in xs])}"
             label = "weightd update" if method == "weightd" else "vLLM reload_weights (disk)"
             rows.append(
-                f"| {r['tp']} | {label} | {len(xs)} | {_median(secs)} [{every}] | {mib} | {pub} | "
-                f"{r['load'][0]} / {r['load'][1]} |"
+                f"| {r['tp']} | {label} | {len(xs)} | {_median(secs)} [{every}] | {mib} | "
+                f"{parts} | {pub} | {r['load'][0]} / {r['load'][1]} |"
             )
         rs = r["restart"]
         rows.append(
             f"| {r['tp']} | restart (spawn -> first token; LLM() -> token "
-            f"{rs['llm_to_token_s']:.1f}) | 1 | {rs['seconds']:.1f} | - | - | "
+            f"{rs['llm_to_token_s']:.1f}) | 1 | {rs['seconds']:.1f} | - | - | - | "
             f"{r['load'][0]} / {r['load'][1]} |"
         )
-        rows.append(f"| {r['tp']} | same token per version by every method | | {agree} |||")
+        rows.append(f"| {r['tp']} | same token per version by every method | | {agree} ||||")
     return "\n".join(rows)
 
 
@@ -254,6 +298,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=10, help="decoder layers (10: 1.14 GB)")
     ap.add_argument("--mem", type=float, default=0.4, help="gpu_memory_utilization")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per engine process")
+    ap.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="updates do not re-hash a shared-memory share (the daemon verified it as it "
+        "built the pack); gRPC shares are always checked",
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.child_switch or args.child_restart:

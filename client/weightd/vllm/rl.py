@@ -19,6 +19,7 @@ def update_info(
     target: str | None = None,
     transport: str | None = None,
     timeout: float | None = None,
+    verify: bool | None = None,
 ) -> dict[str, Any]:
     """The ``update_info`` of the ``weightd`` backend for one update (unset keys omitted)."""
     info: dict[str, Any] = {"version": version}
@@ -27,6 +28,7 @@ def update_info(
         ("target", target),
         ("transport", transport),
         ("timeout", timeout),
+        ("verify", verify),
     ):
         if value is not None:
             info[key] = value
@@ -41,6 +43,7 @@ def update_llm(
     target: str | None = None,
     transport: str | None = None,
     timeout: float | None = None,
+    verify: bool | None = None,
     per_rank: list[dict[str, Any]] | None = None,
 ) -> str:
     """Move a running ``vllm.LLM`` (built with ``weight_transfer_config={"backend":
@@ -52,7 +55,9 @@ def update_llm(
     version) and the engine keeps the weights it had. ``per_rank``: one dict of
     overrides per worker (by global rank), e.g. a ``target`` each.
     """
-    base = update_info(version, model=model, target=target, transport=transport, timeout=timeout)
+    base = update_info(
+        version, model=model, target=target, transport=transport, timeout=timeout, verify=verify
+    )
     payload: dict[str, Any] | list[dict[str, Any]] = base
     if per_rank is not None:
         payload = [{**base, **extra} for extra in per_rank]
