@@ -61,7 +61,9 @@ def fetch_share(
     re-hashed here only with ``verify``; the daemon verified it as it built it).
     """
     state, layout = fetch_rows(
-        lambda lay: client.fetch_layout(lay, model=desc.name, transport=transport, version=version),
+        lambda lay: client.fetch_layout(
+            lay, model=desc.name, transport=transport, version=version, verify=verify
+        ),
         layout,
     )
     info = client.last_fetch

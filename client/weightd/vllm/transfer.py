@@ -20,8 +20,11 @@ and ``update_weights`` does, on every worker, all or nothing:
    in the daemon whatever is published meanwhile.
 2. **stage**: each worker fetches only its own share of the version (its TP/PP layout,
    vLLM's vocabulary padding; shared memory on the daemon's host, gRPC otherwise),
-   every slice checked against the daemon's digest, into memory of its own beside the
-   running model. Again every rank reports; if any rank could not fetch or verify its
+   beside the running model: over gRPC every slice is checked against the daemon's
+   digest as it arrives (into memory of its own); over shared memory the share is a
+   view of the daemon's sealed pack, whose every byte the daemon checked against the
+   verified digests as it built it (``verify`` re-hashes it here too). Again every
+   rank reports; if any rank could not fetch or verify its
    share, every rank raises one error naming the failing rank(s), the model and the
    version, drops what it staged, and the engine keeps its weights, untouched.
 3. **apply**: only when every rank staged its whole share, each loads it in place
@@ -103,9 +106,11 @@ class WeightdUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     target: str | None = None
     transport: str | None = None
     timeout: float | None = None
-    #: Re-hash a shared-memory share against the daemon's digests as well (gRPC
-    #: shares are always checked): the update's promise is every byte verified.
-    verify: bool = True
+    #: Also re-hash a shared-memory share against the pack's digests. Off by default:
+    #: the daemon checked every byte against the verified digests as it built the pack,
+    #: which is a sealed memfd nobody can change since (``weightd.client.shm``); a gRPC
+    #: share is always checked as it arrives.
+    verify: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int):
