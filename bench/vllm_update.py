@@ -20,8 +20,12 @@ from disk on the first checkpoint) alternates, ``--rounds`` times, between:
   (``reload_weights(weights_path=...)``, vLLM's layer-wise reload over its default
   safetensors loader: every rank reads what it needs from the files), then one token;
 
-and last, **restart**: a fresh engine process started on the other checkpoint, timed
-from spawning it to its first token (and ``LLM()`` to first token inside it).
+then **weightd, new content**: what a trainer's step is, a checkpoint the daemon never
+saw (one tensor changed, the rest hard-linked): its publish hashes it and builds the
+packs of the layouts in use before READY (``publish: verify + prepare``), and the
+engine updates as above; and last, **restart**: a fresh engine process started on the
+other checkpoint, timed from spawning it to its first token (and ``LLM()`` to first
+token inside it).
 
 The first weightd update of each engine finds no pack of its layout (it started from
 disk) and waits for the daemon to build it; later publishes prepare them (the
@@ -172,8 +176,56 @@ def child_switch(args: argparse.Namespace) -> None:
             engine = target
             result.update(method=method, version_dir=target, token=token, round=round_)
             print("RESULT " + json.dumps(result), flush=True)
+    # A trainer's step: content the daemon never saw (one tensor changed), so the
+    # publish hashes it and builds the packs of the layouts in use before READY.
+    fresh = perturbed_copy(dirs[1 - engine], f"{args.dirs.split(',')[0]}-fresh-tp{args.tp}")
+    t0 = time.perf_counter()
+    published, t_ready = publish_new(admin, fresh, ready)
+    update_llm(llm, published.version, target=args.target, model="m", verify=args.verify)
+    _token(llm)
+    done = time.perf_counter()
+    result = {
+        "method": "weightd-fresh",
+        "seconds": done - t_ready,
+        "publish_s": t_ready - t0,
+        "verify_s": published.verify_seconds,
+        "prepare_s": published.prepare_seconds,
+        "packs_built": published.packs_built,
+        "bytes": llm.collective_rpc(worker_bytes),
+        "ranks": llm.collective_rpc(worker_seconds),
+        "version_dir": -1,
+        "token": -1,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
     watch.close()
     llm.llm_engine.engine_core.shutdown()
+
+
+def perturbed_copy(base: str, out: str) -> str:
+    """``base`` with one tensor changed (one element negated), everything else hard-linked."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out)
+    shards = sorted(f for f in os.listdir(base) if f.endswith(".safetensors"))
+    for name in os.listdir(base):
+        if name != shards[-1]:
+            os.link(os.path.join(base, name), os.path.join(out, name))
+    tensors = load_file(os.path.join(base, shards[-1]))
+    first = sorted(tensors)[0]
+    with torch.no_grad():
+        flat = tensors[first].view(-1)
+        flat[0] = -flat[0] if flat[0] != 0 else 1
+    save_file(tensors, os.path.join(out, shards[-1]), metadata={"format": "pt"})
+    return out
+
+
+def publish_new(admin: Any, directory: str, ready: queue.Queue[Any]) -> tuple[Any, float]:
+    published = admin.publish(directory, model="m")
+    while True:
+        t_ready, version, _source = ready.get(timeout=600)
+        if version == published.version:
+            return published, t_ready
 
 
 def child_restart(args: argparse.Namespace) -> None:
@@ -248,9 +300,10 @@ def table(results: list[dict[str, Any]]) -> str:
     for r in results:
         tokens: dict[int, set[int]] = {}
         for s in [*r["switches"], r["restart"]]:
-            tokens.setdefault(s["version_dir"], set()).add(s["token"])
+            if s["version_dir"] >= 0:
+                tokens.setdefault(s["version_dir"], set()).add(s["token"])
         agree = all(len(v) == 1 for v in tokens.values())
-        for method in ("weightd", "reload"):
+        for method in ("weightd", "weightd-fresh", "reload"):
             xs = [s for s in r["switches"] if s["method"] == method]
             secs = [s["seconds"] for s in xs]
             every = ", ".join(
@@ -261,7 +314,7 @@ def table(results: list[dict[str, Any]]) -> str:
             mib = "-"
             pub = "-"
             parts = "-"
-            if method == "weightd" and xs:
+            if method.startswith("weightd") and xs:
                 ranks = len(xs[0]["ranks"])
                 parts = " ; ".join(
                     " / ".join(_median([s["ranks"][r][i] for s in xs]) for i in range(3))
@@ -271,7 +324,11 @@ def table(results: list[dict[str, Any]]) -> str:
                 mib = " / ".join(f"{b:.0f}" for b in per_rank)
                 verify = _median([s["verify_s"] for s in xs])
                 pub = f"{verify} + {_median([s['prepare_s'] for s in xs])}"
-            label = "weightd update" if method == "weightd" else "vLLM reload_weights (disk)"
+            label = {
+                "weightd": "weightd update",
+                "weightd-fresh": "weightd update, a trainer's new content (packs prepared)",
+                "reload": "vLLM reload_weights (disk)",
+            }[method]
             rows.append(
                 f"| {r['tp']} | {label} | {len(xs)} | {_median(secs)} [{every}] | {mib} | "
                 f"{parts} | {pub} | {r['load'][0]} / {r['load'][1]} |"
