@@ -85,6 +85,19 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+#: A small GQA Llama (8 query / 2 kv heads, untied head) for tests that need several
+#: versions of one model: the same config with another ``seed`` is another version.
+VERSIONED_LLAMA: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+
+
 def build_model(kind: str, overrides: dict[str, Any], seed: int = 0) -> torch.nn.Module:
     import transformers
 

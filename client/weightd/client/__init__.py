@@ -58,17 +58,19 @@ from .layout import Layout
 from .transports import FetchInfo, PackRef, TransportFailure
 
 if TYPE_CHECKING:
-    from .admin import AdminClient, ReloadResult
+    from .admin import AdminClient, Published, ReloadResult
     from .descriptions import FileDigest, ModelDescription, ModelInfo, TensorInfo
     from .resumable import ResumeReport
     from .retry import RetryPolicy, RetryStats
     from .tls import tls_credentials
+    from .versions import VersionEvent, VersionHold, VersionInfo, VersionWatch
 
 #: Names loaded on first use (PEP 562): those whose modules import torch, and those a
 #: worker's same-host fetch never needs (it imports only what it uses: a fresh
 #: process's first fetch is timed in milliseconds, each module costs some).
 _WITH_TORCH = {
     "AdminClient": ".admin",
+    "Published": ".admin",
     "ReloadResult": ".admin",
     "ResumeReport": ".resumable",
     "FileDigest": ".descriptions",
@@ -78,6 +80,10 @@ _WITH_TORCH = {
     "tls_credentials": ".tls",
     "RetryPolicy": ".retry",
     "RetryStats": ".retry",
+    "VersionEvent": ".versions",
+    "VersionHold": ".versions",
+    "VersionInfo": ".versions",
+    "VersionWatch": ".versions",
 }
 
 
@@ -126,6 +132,7 @@ __all__ = [
     "ObjectStoreFailed",
     "PackRef",
     "PermissionDeniedError",
+    "Published",
     "ReloadResult",
     "ResourceExhaustedError",
     "ResumeReport",
@@ -140,6 +147,10 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
+    "VersionEvent",
+    "VersionHold",
+    "VersionInfo",
+    "VersionWatch",
     "VocabPadUnsupportedError",
     "WeightClient",
     "WeightdError",

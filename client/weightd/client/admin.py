@@ -1,4 +1,4 @@
-"""``AdminClient``: the operator side of the daemon (reload), over the admin listener.
+"""``AdminClient``: the operator side of the daemon (reload, publish), over the admin listener.
 
 The admin listener is separate from the worker one: by default ``admin.sock`` in the
 daemon's 0700 socket directory, or TCP with mutual TLS and an allowed client identity.
@@ -25,6 +25,21 @@ class ReloadResult:
     num_tensors: int
     total_bytes: int
     verify_seconds: float
+
+
+@dataclass(frozen=True)
+class Published:
+    """A version :meth:`AdminClient.publish` made current (``VersionInfo`` and timings)."""
+
+    model: str
+    version: int
+    fingerprint: str
+    source: str
+    num_tensors: int
+    total_bytes: int
+    verify_seconds: float
+    prepare_seconds: float
+    packs_built: int
 
 
 class AdminClient:
@@ -58,6 +73,28 @@ class AdminClient:
         except grpc.RpcError as exc:
             raise from_call(exc, self.target) from None
         return ReloadResult(r.model, r.num_tensors, r.total_bytes, r.verify_seconds)
+
+    def publish(
+        self, source: str, *, model: str | None = None, manifest: str | None = None
+    ) -> Published:
+        """Serve the checkpoint at ``source`` (an absolute directory or ``s3://`` prefix) as
+        ``model``'s next version: verified (against ``manifest`` if given), the packs of
+        the layouts in use built, then announced READY on ``WatchVersions``. On failure
+        nothing changes and the daemon's reason is raised."""
+        request = pb.PublishRequest(model=model or "", source=source, manifest=manifest or "")
+        r = self._call(self._stub.Publish, request)
+        v = r.version
+        return Published(
+            v.model,
+            v.version,
+            v.model_fingerprint,
+            v.source,
+            v.num_tensors,
+            v.total_bytes,
+            r.verify_seconds,
+            r.prepare_seconds,
+            r.packs_built,
+        )
 
     def load_adapter(
         self,

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from .receive import ProgressFn
     from .resumable import ResumeReport
     from .retry import RetryPolicy, RetryStats
+    from .versions import VersionHold, VersionWatch
 
 T = TypeVar("T")
 
@@ -324,6 +325,32 @@ class WeightClient:
 
         return AdapterWatch(self._stub, timeout)
 
+    def watch_versions(
+        self, model: str | None = None, timeout: float | None = None
+    ) -> VersionWatch:
+        """Version events of ``model`` (None: every model): each current version as
+        "ready", then every new version as it becomes ready, and older ones as dropped."""
+        from .versions import VersionWatch
+
+        return VersionWatch(self._stub, model or "", timeout)
+
+    def hold_version(
+        self, model: str | None = None, version: int = 0, *, holder: str = "", ttl: float = 0
+    ) -> VersionHold:
+        """Keep ``version`` of ``model`` (0: the current one) in the daemon until the hold
+        is released (``with``) or ``ttl`` seconds pass (0: the daemon's default, 600 s);
+        ``holder`` names who holds it (an engine id) in the daemon's metrics. Raises
+        ``NotFoundError`` for a version the daemon no longer holds."""
+        from weightd.v1 import weightd_pb2 as pb
+
+        from .versions import VersionHold
+
+        request = pb.HoldVersionRequest(
+            model=model or "", version=version, holder=holder, ttl_seconds=int(ttl)
+        )
+        reply = self._unary(self._stub.HoldVersion, request)
+        return VersionHold(self._stub, reply, self.timeout)
+
     def _unary(self, method: Callable[..., T], request: object) -> T:
         """One unary call, retried under the policy, with its failure typed."""
 
@@ -347,15 +374,15 @@ class WeightClient:
         reply = self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [model_info_of(m) for m in reply.models]
 
-    def describe(self, model: str | None = None) -> ModelDescription:
-        """Every tensor of ``model`` (None: the daemon's only model) with its dtype, full
-        shape, shard and verified digest, and the files the daemon verified."""
-
+    def describe(self, model: str | None = None, *, version: int = 0) -> ModelDescription:
+        """Every tensor of ``model`` (None: the daemon's only model; at ``version``, 0: the
+        current one) with its dtype, full shape, shard and verified digest, and the files
+        the daemon verified."""
         from weightd.v1 import weightd_pb2 as pb
 
         from .descriptions import description_of
 
-        request = pb.DescribeModelRequest(model=model or "")
+        request = pb.DescribeModelRequest(model=model or "", version=version)
         return description_of(self._unary(self._stub.DescribeModel, request))
 
     # --- weights ---------------------------------------------------------------------
@@ -443,6 +470,7 @@ class WeightClient:
         verify: bool,
         into: Mapping[str, torch.Tensor] | None = None,
         streams: int = 1,
+        version: int = 0,
     ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
         import torch
 
@@ -458,8 +486,8 @@ class WeightClient:
 
         def grpc_fetch() -> dict[str, torch.Tensor]:
             if streams > 1:
-                return self._fetch_grpc_streams(layout, model, wanted, into, streams)
-            return self._fetch_grpc(layout, model=model, names=wanted, into=into)
+                return self._fetch_grpc_streams(layout, model, wanted, into, streams, version)
+            return self._fetch_grpc(layout, model=model, names=wanted, into=into, version=version)
 
         def negotiate() -> tuple[dict[str, torch.Tensor], FetchInfo]:
             return negotiated_fetch(
@@ -474,6 +502,7 @@ class WeightClient:
                 verify=verify,
                 timeout=self.timeout,
                 populate=self.populate,
+                version=version,
             )
 
         # The gRPC path retries (and resumes) by itself; only an explicit same-host
@@ -494,6 +523,7 @@ class WeightClient:
         transport: Transport = "auto",
         copy: bool = False,
         verify: bool = False,
+        version: int = 0,
     ) -> dict[str, torch.Tensor]:
         """Every tensor the worker at ``layout`` holds (or ``names``), sliced, digest-checked.
 
@@ -501,7 +531,9 @@ class WeightClient:
         head its position needs); an expert-parallel rank only its experts. Asking by
         name for a tensor another worker holds is ``InvalidArgumentError``. Transports,
         ``copy`` and ``verify`` as in :meth:`fetch`; how it was served is in
-        :attr:`last_fetch`.
+        :attr:`last_fetch`. ``version``: that version of the model (``watch_versions``,
+        :meth:`hold_version`; 0: the current one); a version the daemon no longer holds
+        is ``NotFoundError``, and a daemon that predates versions is refused.
         """
         state, _ = self._fetch_negotiated(
             layout,
@@ -511,6 +543,7 @@ class WeightClient:
             transport=transport,
             copy=copy,
             verify=verify,
+            version=version,
         )
         return state
 
@@ -552,6 +585,7 @@ class WeightClient:
         names: list[str],
         into: Mapping[str, torch.Tensor] | None,
         streams: int,
+        version: int = 0,
     ) -> dict[str, torch.Tensor]:
         """The layout's slices over ``streams`` concurrent Fetch streams (:mod:`.streams`).
 
@@ -565,7 +599,7 @@ class WeightClient:
         from .resumable import ResumeReport  # lazily, as everything that makes tensors
         from .streams import fetch_in_streams, merge_reports, split_by_bytes
 
-        described = {t.name: t.nbytes for t in self.describe(model).tensors}
+        described = {t.name: t.nbytes for t in self.describe(model, version=version).tensors}
         wanted = names or list(described)
         groups = split_by_bytes([(n, described.get(n, 0)) for n in wanted], streams)
         reports = [ResumeReport() for _ in groups]
@@ -579,6 +613,7 @@ class WeightClient:
                 stub=self._stream_stub(i),
                 report=reports[i],
                 on_tensor=progress,
+                version=version,
             )
 
         try:
@@ -597,6 +632,7 @@ class WeightClient:
         stub: RawFetchStub | None = None,
         report: ResumeReport | None = None,
         on_tensor: ProgressFn | None = None,
+        version: int = 0,
     ) -> dict[str, torch.Tensor]:
         """The layout's slices, streamed and digest-checked, on the CPU.
 
@@ -614,6 +650,7 @@ class WeightClient:
             max_chunk_bytes=self.chunk_bytes,
             # SHA-256 is what an empty field means: the request stays as it always was.
             slice_digest="" if self.slice_digest == SLICE_DIGEST_ALGORITHM else self.slice_digest,
+            version=version,
         )
         if report is None:
             report = ResumeReport()

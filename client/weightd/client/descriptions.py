@@ -24,6 +24,8 @@ class ModelInfo:
     #: or "broken"; "" from a daemon that predates the field.
     state: str = ""
     reason: str = ""  # why, when not ready: names the file and what changed
+    #: The current version number (0 from a daemon that predates versions, or loading).
+    version: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,13 @@ class ModelDescription:
     model_fingerprint: str = ""
     #: The daemon host's boot id ("" when not sent).
     host_boot_id: str = ""
+    #: The version described (0 from a daemon that predates versions).
+    version: int = 0
 
 
 def model_info_of(m: pb.ModelSummary) -> ModelInfo:
     return ModelInfo(
-        m.name, m.architecture, m.total_bytes, m.num_tensors, m.ready, m.state, m.reason
+        m.name, m.architecture, m.total_bytes, m.num_tensors, m.ready, m.state, m.reason, m.version
     )
 
 
@@ -90,4 +94,5 @@ def description_of(d: pb.ModelDescription) -> ModelDescription:
         ),
         d.model_fingerprint,
         d.host_boot_id,
+        d.version,
     )

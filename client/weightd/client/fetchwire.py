@@ -71,7 +71,15 @@ class WireChunk:
 class WireResponse:
     """One ``FetchResponse``: its chunks, and the fields set only on some messages."""
 
-    __slots__ = ("adapter", "chunks", "done", "model_fingerprint", "slice_digest", "vocab_pad")
+    __slots__ = (
+        "adapter",
+        "chunks",
+        "done",
+        "model_fingerprint",
+        "slice_digest",
+        "version",
+        "vocab_pad",
+    )
 
     def __init__(
         self,
@@ -81,6 +89,7 @@ class WireResponse:
         model_fingerprint: str = "",
         slice_digest: str = "",
         vocab_pad: int = 0,
+        version: int = 0,
     ) -> None:
         self.chunks = chunks
         self.done = done  # None: not set
@@ -88,6 +97,7 @@ class WireResponse:
         self.model_fingerprint = model_fingerprint
         self.slice_digest = slice_digest  # "": not set (SHA-256)
         self.vocab_pad = vocab_pad  # 0: not set (equal blocks, or a daemon before the field)
+        self.version = version  # 0: not set (a daemon before model versions)
 
 
 class RawFetchStub:
@@ -123,6 +133,7 @@ def from_message(msg: pb.FetchResponse) -> WireResponse:
         msg.model_fingerprint,
         msg.slice_digest,
         msg.vocab_pad,
+        msg.version,
     )
 
 
@@ -197,12 +208,16 @@ def _parse(raw: bytes) -> WireResponse:
     fingerprint: str | None = None
     kind: str | None = None
     vocab_pad: int | None = None
+    version: int | None = None
     while pos < end:
         number, wire, pos = _field(raw, pos, end)
         if number == 6 and wire == _VARINT and vocab_pad is None:
             vocab_pad, pos = _varint(raw, pos, end)
             if vocab_pad > _UINT32_MAX:
                 raise _Unusual  # protobuf truncates an oversized uint32: let it decide
+            continue
+        if number == 7 and wire == _VARINT and version is None:
+            version, pos = _varint(raw, pos, end)
             continue
         if wire != _LEN:
             raise _Unusual
@@ -219,7 +234,9 @@ def _parse(raw: bytes) -> WireResponse:
             kind = _text(raw, start, pos)
         else:
             raise _Unusual  # unknown, or set twice (protobuf merges): let it decide
-    return WireResponse(chunks, done, adapter, fingerprint or "", kind or "", vocab_pad or 0)
+    return WireResponse(
+        chunks, done, adapter, fingerprint or "", kind or "", vocab_pad or 0, version or 0
+    )
 
 
 def _sub(cls: type[M], raw: bytes, start: int, stop: int) -> M:

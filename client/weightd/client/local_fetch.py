@@ -56,13 +56,14 @@ def negotiated_fetch(
     timeout: float | None,
     adapter: str = "",
     populate: bool | None = None,
+    version: int = 0,
 ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
     """Try the candidate transports in order (see ``transports``); report every failure.
 
     ``adapter``: fetch the rank's pack of that LoRA adapter's current version instead
     of the model's weights (``grpc_fetch`` then streams the adapter). ``populate``: map
     a shared pack with every page resident (None: where the pack is in huge pages;
-    see :func:`.shm.map_host_pack`).
+    see :func:`.shm.map_host_pack`). ``version``: that model version (0: the current).
     """
     side = side_socket_path(target)
     try:
@@ -95,6 +96,7 @@ def negotiated_fetch(
                 adapter=adapter,
                 populate=populate,
                 no_wait=transport == "auto",
+                version=version,
             )
             copied = copy or (name == "shm" and device.type != "cpu")
             return state, FetchInfo(name, transport, reason, tuple(failures), ref, copied)
@@ -132,6 +134,7 @@ def fetch_local(
     adapter: str = "",
     populate: bool | None = None,
     no_wait: bool = False,
+    version: int = 0,
 ) -> tuple[dict[str, torch.Tensor], PackRef]:
     """One worker's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc".
 
@@ -150,9 +153,18 @@ def fetch_local(
             adapter=adapter,
             slice_digests=available_kinds(),
             no_wait=no_wait,
+            version=version,
         )
         grant, fds = conn.request(request, max_fds=1)
         _check_granted_layout(grant, layout, transport)
+        if version and grant.version != version:
+            # An old daemon serving whatever is current: the transport's failure, so
+            # ``auto`` goes on to gRPC, whose stream says the same plainly.
+            raise UnavailableError(
+                f"the daemon granted a pack of model version {grant.version or '(unnamed)'}, "
+                f"not {version}",
+                transport=transport,
+            )
     except BaseException:
         conn.close()
         raise

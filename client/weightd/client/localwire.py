@@ -93,6 +93,7 @@ def encode_acquire(
     adapter: str = "",
     slice_digests: Sequence[str] = (),
     no_wait: bool = False,
+    version: int = 0,
 ) -> bytes:
     """A ``LocalRequest`` holding one ``AcquirePack``."""
     body = b"".join(
@@ -105,6 +106,7 @@ def encode_acquire(
             _text(6, adapter),
             *(_bytes(7, k.encode()) for k in slice_digests),
             _uint(8, int(no_wait)),
+            _uint(9, version),
         )
     )
     return _bytes(1, body)
@@ -387,6 +389,7 @@ class Grant:
         "placement",
         "raw",
         "size_bytes",
+        "version",
     )
 
     def __init__(self, raw: bytes = b"") -> None:
@@ -405,6 +408,8 @@ class Grant:
         #: The ``AdapterInfo`` message's bytes for an adapter pack (None: a model's pack).
         self.adapter: bytes | None = None
         self.huge_pages = False
+        #: The model version the pack holds (0 from a daemon that predates versions).
+        self.version = 0
 
 
 _GRANT: Table = {
@@ -421,6 +426,7 @@ _GRANT: Table = {
     11: ("built", _flag, False),
     12: ("adapter", _raw, False),
     13: ("huge_pages", _flag, False),
+    14: ("version", _int, False),
 }
 
 

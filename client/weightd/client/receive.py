@@ -31,6 +31,7 @@ from .dtypes import torch_dtype
 from .errors import (
     DataLossError,
     DigestMismatchError,
+    FailedPreconditionError,
     VocabPadUnsupportedError,
     WeightdError,
     from_rpc_error,
@@ -192,8 +193,12 @@ class RankReceiver:
         *,
         asked: str = "",
         vocab_pad: int = 0,
+        version: int = 0,
     ) -> None:
         self.on_tensor = on_tensor
+        #: The model version the requests ask for (0: the current one); each stream
+        #: must name it.
+        self.version = version
         self.into = into or {}
         #: The slice digest kind the requests ask for ("": the default, SHA-256).
         self.asked = asked
@@ -244,6 +249,7 @@ class RankReceiver:
                     self.first = response
                     self.kind = self._stream_kind(response.slice_digest)
                     self._check_vocab_pad(response.vocab_pad)
+                    check_version(self.version, response.version)
                 if done is not None:
                     raise DataLossError("the daemon sent data after closing the stream")
                 if response.model_fingerprint:
@@ -330,6 +336,22 @@ class RankReceiver:
         if self.on_tensor is not None:
             self.on_tensor(chunk.index, current.name)
         return None
+
+
+def check_version(asked: int, named: int) -> None:
+    """Refuse a stream (or pack) of another model version than the one asked for.
+
+    A daemon that predates versions serves the current one and names none: refused
+    (FAILED_PRECONDITION), since it may not be the one asked for.
+    """
+    if not asked or named == asked:
+        return
+    if not named:
+        raise FailedPreconditionError(
+            f"the daemon predates model versions: asked for version {asked}, it would "
+            "send whatever it serves now; upgrade the daemon"
+        )
+    raise DataLossError(f"the daemon sent model version {named}; the client asked for {asked}")
 
 
 def receive_all(stream: Any, first: list[WireResponse] | None = None) -> dict[str, torch.Tensor]:

@@ -54,7 +54,11 @@ def fetch_resumable(
     ``into``: tensors to receive into where they fit (see :class:`RankReceiver`).
     """
     receiver = RankReceiver(
-        on_tensor, into, asked=request.slice_digest, vocab_pad=request.layout.vocab_pad
+        on_tensor,
+        into,
+        asked=request.slice_digest,
+        vocab_pad=request.layout.vocab_pad,
+        version=request.version,
     )
     #: Set after a digest mismatch: every later stream of this fetch asks for a re-hash.
     rehash = request.rehash

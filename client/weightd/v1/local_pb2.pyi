@@ -118,6 +118,7 @@ class AcquirePack(_message.Message):
     ADAPTER_FIELD_NUMBER: _builtins.int
     SLICE_DIGESTS_FIELD_NUMBER: _builtins.int
     NO_WAIT_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """empty: the daemon's only model"""
     placement: Global___Placement.ValueType
@@ -132,6 +133,11 @@ class AcquirePack(_message.Message):
     """True: while the pack is being built, answer at once with LocalError.pending
     instead of waiting for the build (the client fetches over gRPC meanwhile, from the
     verified shards). False (clients before the field, transport="shm"): wait.
+    """
+    version: _builtins.int
+    """The model version (VersionInfo.version); 0: the current one. A daemon that
+    predates the field ignores it: a client that asked for a version checks
+    PackGrant.version.
     """
     @_builtins.property
     def layout(self) -> _weightd_pb2.Layout: ...
@@ -158,10 +164,11 @@ class AcquirePack(_message.Message):
         adapter: _builtins.str = ...,
         slice_digests: _abc.Iterable[_builtins.str] | None = ...,
         no_wait: _builtins.bool = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "names", b"names", "no_wait", b"no_wait", "placement", b"placement", "slice_digests", b"slice_digests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "names", b"names", "no_wait", b"no_wait", "placement", b"placement", "slice_digests", b"slice_digests", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -315,6 +322,7 @@ class PackGrant(_message.Message):
     BUILT_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
     HUGE_PAGES_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     boot_id: _builtins.str
     pack_id: _builtins.int
     model: _builtins.str
@@ -331,6 +339,8 @@ class PackGrant(_message.Message):
     """this request built the pack (false: it was shared)"""
     huge_pages: _builtins.bool
     """PLACEMENT_HOST: allocated in shmem huge pages (where the kernel gives them)"""
+    version: _builtins.int
+    """the model version the pack holds; 0 from a daemon that predates versions"""
     @_builtins.property
     def layout(self) -> _weightd_pb2.Layout: ...
     @_builtins.property
@@ -355,10 +365,11 @@ class PackGrant(_message.Message):
         built: _builtins.bool = ...,
         adapter: _weightd_pb2.AdapterInfo | None = ...,
         huge_pages: _builtins.bool = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "boot_id", b"boot_id", "built", b"built", "cuda_ipc_handle", b"cuda_ipc_handle", "entries", b"entries", "gpu_uuid", b"gpu_uuid", "huge_pages", b"huge_pages", "layout", b"layout", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "boot_id", b"boot_id", "built", b"built", "cuda_ipc_handle", b"cuda_ipc_handle", "entries", b"entries", "gpu_uuid", b"gpu_uuid", "huge_pages", b"huge_pages", "layout", b"layout", "model", b"model", "pack_id", b"pack_id", "pinned", b"pinned", "placement", b"placement", "size_bytes", b"size_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -119,6 +119,214 @@ class AdapterFileChunk(_message.Message):
 Global___AdapterFileChunk: _TypeAlias = AdapterFileChunk  # noqa: Y015
 
 @_typing.final
+class WatchVersionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """empty: every model"""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchVersionsRequest: _TypeAlias = WatchVersionsRequest  # noqa: Y015
+
+@_typing.final
+class VersionInfo(_message.Message):
+    """One version of a model: unique and increasing per model name over the daemon's life.
+    A reload whose content is identical (same fingerprint) keeps the version number.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    NUM_TENSORS_FIELD_NUMBER: _builtins.int
+    ARCHITECTURE_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    version: _builtins.int
+    model_fingerprint: _builtins.str
+    """as ModelDescription.model_fingerprint"""
+    total_bytes: _builtins.int
+    num_tensors: _builtins.int
+    architecture: _builtins.str
+    source: _builtins.str
+    """where it was read from (a directory or s3:// prefix)"""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        version: _builtins.int = ...,
+        model_fingerprint: _builtins.str = ...,
+        total_bytes: _builtins.int = ...,
+        num_tensors: _builtins.int = ...,
+        architecture: _builtins.str = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "model", b"model", "model_fingerprint", b"model_fingerprint", "num_tensors", b"num_tensors", "source", b"source", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VersionInfo: _TypeAlias = VersionInfo  # noqa: Y015
+
+@_typing.final
+class VersionEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[VersionEvent._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: VersionEvent._Kind.ValueType  # 0
+        READY: VersionEvent._Kind.ValueType  # 1
+        """verified, its packs of the layouts in use built: engines may move to it"""
+        DROPPED: VersionEvent._Kind.ValueType  # 2
+        """an older version let go (no hold left): fetching it is NOT_FOUND now"""
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_UNSPECIFIED: VersionEvent.Kind.ValueType  # 0
+    READY: VersionEvent.Kind.ValueType  # 1
+    """verified, its packs of the layouts in use built: engines may move to it"""
+    DROPPED: VersionEvent.Kind.ValueType  # 2
+    """an older version let go (no hold left): fetching it is NOT_FOUND now"""
+
+    KIND_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    kind: Global___VersionEvent.Kind.ValueType
+    @_builtins.property
+    def version(self) -> Global___VersionInfo: ...
+    def __init__(
+        self,
+        *,
+        kind: Global___VersionEvent.Kind.ValueType = ...,
+        version: Global___VersionInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VersionEvent: _TypeAlias = VersionEvent  # noqa: Y015
+
+@_typing.final
+class HoldVersionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """empty: the daemon's only model"""
+    version: _builtins.int
+    """0: the current version"""
+    holder: _builtins.str
+    """Who holds it (an engine's id, the same for all its ranks): metrics count engines
+    per version by it. At most 128 bytes.
+    """
+    ttl_seconds: _builtins.int
+    """How long the hold lasts at most; 0: the daemon's default (600 s); capped at 3600.
+    A holder that dies lets go when it passes.
+    """
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        version: _builtins.int = ...,
+        holder: _builtins.str = ...,
+        ttl_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "model", b"model", "ttl_seconds", b"ttl_seconds", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldVersionRequest: _TypeAlias = HoldVersionRequest  # noqa: Y015
+
+@_typing.final
+class HoldVersionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLD_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    hold_id: _builtins.str
+    """names the hold in ReleaseVersion"""
+    ttl_seconds: _builtins.float
+    """as granted"""
+    @_builtins.property
+    def version(self) -> Global___VersionInfo: ...
+    def __init__(
+        self,
+        *,
+        hold_id: _builtins.str = ...,
+        version: Global___VersionInfo | None = ...,
+        ttl_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold_id", b"hold_id", "ttl_seconds", b"ttl_seconds", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldVersionResponse: _TypeAlias = HoldVersionResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseVersionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLD_ID_FIELD_NUMBER: _builtins.int
+    hold_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        hold_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold_id", b"hold_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseVersionRequest: _TypeAlias = ReleaseVersionRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseVersionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.bool
+    """false: no such hold (already released, or expired)"""
+    def __init__(
+        self,
+        *,
+        released: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseVersionResponse: _TypeAlias = ReleaseVersionResponse  # noqa: Y015
+
+@_typing.final
 class FetchAdapterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -297,6 +505,7 @@ class ModelSummary(_message.Message):
     READY_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     architecture: _builtins.str
     """config.json "architectures"[0], or "" when absent"""
@@ -311,6 +520,8 @@ class ModelSummary(_message.Message):
     """were replaced or removed on disk) or "broken" (serving nothing)
     why, when not "ready": names the file and what changed
     """
+    version: _builtins.int
+    """the current version (VersionInfo.version); 0 while loading"""
     def __init__(
         self,
         *,
@@ -321,10 +532,11 @@ class ModelSummary(_message.Message):
         ready: _builtins.bool = ...,
         state: _builtins.str = ...,
         reason: _builtins.str = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "name", b"name", "num_tensors", b"num_tensors", "ready", b"ready", "reason", b"reason", "state", b"state", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "name", b"name", "num_tensors", b"num_tensors", "ready", b"ready", "reason", b"reason", "state", b"state", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -355,16 +567,20 @@ class DescribeModelRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """empty: the daemon's only model"""
+    version: _builtins.int
+    """0: the current version; else one the daemon still holds"""
     def __init__(
         self,
         *,
         model: _builtins.str = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -473,6 +689,7 @@ class ModelDescription(_message.Message):
     FILES_FIELD_NUMBER: _builtins.int
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     HOST_BOOT_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     architecture: _builtins.str
     config_json: _builtins.str
@@ -486,6 +703,8 @@ class ModelDescription(_message.Message):
     """/proc/sys/kernel/random/boot_id of the daemon's host: FileDigest device and inode
     mean something only to a client that reads the same value. "" when unknown.
     """
+    version: _builtins.int
+    """the version described; 0 from a daemon that predates versions"""
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorDescription]: ...
     @_builtins.property
@@ -508,10 +727,11 @@ class ModelDescription(_message.Message):
         files: _abc.Iterable[Global___FileDigest] | None = ...,
         model_fingerprint: _builtins.str = ...,
         host_boot_id: _builtins.str = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "config_json", b"config_json", "files", b"files", "host_boot_id", b"host_boot_id", "model_fingerprint", b"model_fingerprint", "name", b"name", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "config_json", b"config_json", "files", b"files", "host_boot_id", b"host_boot_id", "model_fingerprint", b"model_fingerprint", "name", b"name", "tensors", b"tensors", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -592,6 +812,7 @@ class FetchRequest(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     SLICE_DIGEST_FIELD_NUMBER: _builtins.int
     REHASH_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """empty: the daemon's only model"""
     max_chunk_bytes: _builtins.int
@@ -622,6 +843,12 @@ class FetchRequest(_message.Message):
     broken. A daemon that predates the field ignores it; it re-hashed every stream by
     default.
     """
+    version: _builtins.int
+    """The model version to stream (VersionInfo.version); 0: the current one. A version
+    the daemon no longer holds is NOT_FOUND. A daemon that predates the field serves
+    the current version and leaves FetchResponse.version 0: a client that asked for a
+    version must then refuse the stream.
+    """
     @_builtins.property
     def layout(self) -> Global___Layout: ...
     @_builtins.property
@@ -639,10 +866,11 @@ class FetchRequest(_message.Message):
         model_fingerprint: _builtins.str = ...,
         slice_digest: _builtins.str = ...,
         rehash: _builtins.bool = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "max_chunk_bytes", b"max_chunk_bytes", "model", b"model", "model_fingerprint", b"model_fingerprint", "names", b"names", "rehash", b"rehash", "slice_digest", b"slice_digest", "start_index", b"start_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "max_chunk_bytes", b"max_chunk_bytes", "model", b"model", "model_fingerprint", b"model_fingerprint", "names", b"names", "rehash", b"rehash", "slice_digest", b"slice_digest", "start_index", b"start_index", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -764,6 +992,7 @@ class FetchResponse(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     SLICE_DIGEST_FIELD_NUMBER: _builtins.int
     VOCAB_PAD_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     model_fingerprint: _builtins.str
     """Fetch: set on the first message only. Identity of the served content (config and
     every verified tensor digest); a resume names it in FetchRequest.model_fingerprint.
@@ -778,6 +1007,10 @@ class FetchResponse(_message.Message):
     the padding the daemon cut vocabulary-parallel tensors with (the request's).
     Unset (0) from a daemon that predates Layout.vocab_pad, which cut equal blocks: a
     client that asked for vocab_pad must then refuse the stream's vocabulary slices.
+    """
+    version: _builtins.int
+    """Fetch: set on the first message only: the version streamed (VersionInfo.version).
+    0 from a daemon that predates versions.
     """
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChunk]:
@@ -800,14 +1033,78 @@ class FetchResponse(_message.Message):
         model_fingerprint: _builtins.str = ...,
         slice_digest: _builtins.str = ...,
         vocab_pad: _builtins.int = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "done", b"done"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chunks", b"chunks", "done", b"done", "model_fingerprint", b"model_fingerprint", "slice_digest", b"slice_digest", "vocab_pad", b"vocab_pad"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chunks", b"chunks", "done", b"done", "model_fingerprint", b"model_fingerprint", "slice_digest", b"slice_digest", "version", b"version", "vocab_pad", b"vocab_pad"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FetchResponse: _TypeAlias = FetchResponse  # noqa: Y015
+
+@_typing.final
+class PublishRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """a served model's name; empty: the daemon's only model"""
+    source: _builtins.str
+    """an absolute directory or an s3:// prefix"""
+    manifest: _builtins.str
+    """The checkpoint's manifest (`weightd manifest create`; a file or an s3:// object),
+    checked like --manifest (signed by a --trust-key when the daemon has any). Empty:
+    the model's configured --manifest, if any (which a new checkpoint will not match:
+    where the operator requires manifests, a trainer publishes one with each version).
+    """
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        source: _builtins.str = ...,
+        manifest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "model", b"model", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishRequest: _TypeAlias = PublishRequest  # noqa: Y015
+
+@_typing.final
+class PublishResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    VERIFY_SECONDS_FIELD_NUMBER: _builtins.int
+    PREPARE_SECONDS_FIELD_NUMBER: _builtins.int
+    PACKS_BUILT_FIELD_NUMBER: _builtins.int
+    verify_seconds: _builtins.float
+    """reading and verifying the checkpoint"""
+    prepare_seconds: _builtins.float
+    """building the packs of the layouts in use"""
+    packs_built: _builtins.int
+    @_builtins.property
+    def version(self) -> Global___VersionInfo: ...
+    def __init__(
+        self,
+        *,
+        version: Global___VersionInfo | None = ...,
+        verify_seconds: _builtins.float = ...,
+        prepare_seconds: _builtins.float = ...,
+        packs_built: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["packs_built", b"packs_built", "prepare_seconds", b"prepare_seconds", "verify_seconds", b"verify_seconds", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishResponse: _TypeAlias = PublishResponse  # noqa: Y015
 
 @_typing.final
 class LoadAdapterRequest(_message.Message):

@@ -72,6 +72,21 @@ class WeightsStub:
                 request_serializer=weightd_dot_v1_dot_weightd__pb2.FetchAdapterFilesRequest.SerializeToString,
                 response_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterFileChunk.FromString,
                 _registered_method=True)
+        self.WatchVersions = channel.unary_stream(
+                '/weightd.v1.Weights/WatchVersions',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.WatchVersionsRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.VersionEvent.FromString,
+                _registered_method=True)
+        self.HoldVersion = channel.unary_unary(
+                '/weightd.v1.Weights/HoldVersion',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.HoldVersionRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.HoldVersionResponse.FromString,
+                _registered_method=True)
+        self.ReleaseVersion = channel.unary_unary(
+                '/weightd.v1.Weights/ReleaseVersion',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.ReleaseVersionRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.ReleaseVersionResponse.FromString,
+                _registered_method=True)
 
 
 class WeightsServicer:
@@ -143,6 +158,32 @@ class WeightsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchVersions(self, request, context):
+        """Model versions as they become ready: first a READY event for the current version
+        of every model, then READY for each version published later (a reload, a trainer's
+        Publish, a restore) and DROPPED when an older version is let go. An engine moves to
+        a version with FetchRequest.version; see HoldVersion.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldVersion(self, request, context):
+        """Keeps one version of a model in the daemon until ReleaseVersion or until ttl_seconds
+        pass, whichever comes first, even after a newer version replaced it: what an engine
+        takes before its ranks fetch a version, so that a reload meanwhile never pulls the
+        bytes from under one of them. Refused (NOT_FOUND) for a version no longer held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +221,21 @@ def add_WeightsServicer_to_server(servicer, server):
                     servicer.FetchAdapterFiles,
                     request_deserializer=weightd_dot_v1_dot_weightd__pb2.FetchAdapterFilesRequest.FromString,
                     response_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterFileChunk.SerializeToString,
+            ),
+            'WatchVersions': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchVersions,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.WatchVersionsRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.VersionEvent.SerializeToString,
+            ),
+            'HoldVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.HoldVersion,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.HoldVersionRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.HoldVersionResponse.SerializeToString,
+            ),
+            'ReleaseVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseVersion,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.ReleaseVersionRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.ReleaseVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -384,6 +440,87 @@ class Weights:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def WatchVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightd.v1.Weights/WatchVersions',
+            weightd_dot_v1_dot_weightd__pb2.WatchVersionsRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.VersionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightd.v1.Weights/HoldVersion',
+            weightd_dot_v1_dot_weightd__pb2.HoldVersionRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.HoldVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightd.v1.Weights/ReleaseVersion',
+            weightd_dot_v1_dot_weightd__pb2.ReleaseVersionRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.ReleaseVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class AdminStub:
     """Operator operations. Served only on the admin listener (a Unix socket in the
@@ -426,6 +563,11 @@ class AdminStub:
                 '/weightd.v1.Admin/UnpinAdapter',
                 request_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.SerializeToString,
                 response_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+                _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/weightd.v1.Admin/Publish',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.PublishRequest.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.PublishResponse.FromString,
                 _registered_method=True)
 
 
@@ -478,6 +620,17 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Publish(self, request, context):
+        """Serves a new checkpoint (a directory or an s3:// prefix, e.g. a trainer's save) as
+        the model's next version: verified like any load (against a manifest where the
+        daemon requires one), the packs of the layouts in use built, then published
+        (WatchVersions: READY). The model keeps the new source for later reloads. On any
+        failure nothing changes and the call fails with the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -510,6 +663,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.UnpinAdapter,
                     request_deserializer=weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.FromString,
                     response_serializer=weightd_dot_v1_dot_weightd__pb2.AdapterStatus.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.PublishRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.PublishResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -677,6 +835,33 @@ class Admin:
             '/weightd.v1.Admin/UnpinAdapter',
             weightd_dot_v1_dot_weightd__pb2.AdapterNameRequest.SerializeToString,
             weightd_dot_v1_dot_weightd__pb2.AdapterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightd.v1.Admin/Publish',
+            weightd_dot_v1_dot_weightd__pb2.PublishRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.PublishResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -73,6 +73,19 @@ class WeightsStub:
     checks. For engines that read PEFT's files themselves (vLLM). The stream leases
     the version, so an unload or replace meanwhile never tears it.
     """
+    WatchVersions: _grpc.UnaryStreamMultiCallable[_weightd_pb2.WatchVersionsRequest, _weightd_pb2.VersionEvent]
+    """Model versions as they become ready: first a READY event for the current version
+    of every model, then READY for each version published later (a reload, a trainer's
+    Publish, a restore) and DROPPED when an older version is let go. An engine moves to
+    a version with FetchRequest.version; see HoldVersion.
+    """
+    HoldVersion: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.HoldVersionRequest, _weightd_pb2.HoldVersionResponse]
+    """Keeps one version of a model in the daemon until ReleaseVersion or until ttl_seconds
+    pass, whichever comes first, even after a newer version replaced it: what an engine
+    takes before its ranks fetch a version, so that a reload meanwhile never pulls the
+    bytes from under one of them. Refused (NOT_FOUND) for a version no longer held.
+    """
+    ReleaseVersion: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.ReleaseVersionRequest, _weightd_pb2.ReleaseVersionResponse]
 
 @_typing.type_check_only
 class WeightsAsyncStub(WeightsStub):
@@ -115,6 +128,19 @@ class WeightsAsyncStub(WeightsStub):
     checks. For engines that read PEFT's files themselves (vLLM). The stream leases
     the version, so an unload or replace meanwhile never tears it.
     """
+    WatchVersions: _aio.UnaryStreamMultiCallable[_weightd_pb2.WatchVersionsRequest, _weightd_pb2.VersionEvent]  # type: ignore[assignment]
+    """Model versions as they become ready: first a READY event for the current version
+    of every model, then READY for each version published later (a reload, a trainer's
+    Publish, a restore) and DROPPED when an older version is let go. An engine moves to
+    a version with FetchRequest.version; see HoldVersion.
+    """
+    HoldVersion: _aio.UnaryUnaryMultiCallable[_weightd_pb2.HoldVersionRequest, _weightd_pb2.HoldVersionResponse]  # type: ignore[assignment]
+    """Keeps one version of a model in the daemon until ReleaseVersion or until ttl_seconds
+    pass, whichever comes first, even after a newer version replaced it: what an engine
+    takes before its ranks fetch a version, so that a reload meanwhile never pulls the
+    bytes from under one of them. Refused (NOT_FOUND) for a version no longer held.
+    """
+    ReleaseVersion: _aio.UnaryUnaryMultiCallable[_weightd_pb2.ReleaseVersionRequest, _weightd_pb2.ReleaseVersionResponse]  # type: ignore[assignment]
 
 class WeightsServicer(metaclass=_abc_1.ABCMeta):
     """The worker-facing service: read-only, safe to expose to every worker on the host.
@@ -197,6 +223,37 @@ class WeightsServicer(metaclass=_abc_1.ABCMeta):
         the version, so an unload or replace meanwhile never tears it.
         """
 
+    @_abc_1.abstractmethod
+    def WatchVersions(
+        self,
+        request: _weightd_pb2.WatchVersionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_weightd_pb2.VersionEvent], _abc.AsyncIterator[_weightd_pb2.VersionEvent]]:
+        """Model versions as they become ready: first a READY event for the current version
+        of every model, then READY for each version published later (a reload, a trainer's
+        Publish, a restore) and DROPPED when an older version is let go. An engine moves to
+        a version with FetchRequest.version; see HoldVersion.
+        """
+
+    @_abc_1.abstractmethod
+    def HoldVersion(
+        self,
+        request: _weightd_pb2.HoldVersionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.HoldVersionResponse, _abc.Awaitable[_weightd_pb2.HoldVersionResponse]]:
+        """Keeps one version of a model in the daemon until ReleaseVersion or until ttl_seconds
+        pass, whichever comes first, even after a newer version replaced it: what an engine
+        takes before its ranks fetch a version, so that a reload meanwhile never pulls the
+        bytes from under one of them. Refused (NOT_FOUND) for a version no longer held.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseVersion(
+        self,
+        request: _weightd_pb2.ReleaseVersionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.ReleaseVersionResponse, _abc.Awaitable[_weightd_pb2.ReleaseVersionResponse]]: ...
+
 def add_WeightsServicer_to_server(servicer: WeightsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class AdminStub:
@@ -224,6 +281,13 @@ class AdminStub:
     PinAdapter: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.AdapterNameRequest, _weightd_pb2.AdapterStatus]
     """A pinned adapter is never evicted to make room under the adapter budget."""
     UnpinAdapter: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.AdapterNameRequest, _weightd_pb2.AdapterStatus]
+    Publish: _grpc.UnaryUnaryMultiCallable[_weightd_pb2.PublishRequest, _weightd_pb2.PublishResponse]
+    """Serves a new checkpoint (a directory or an s3:// prefix, e.g. a trainer's save) as
+    the model's next version: verified like any load (against a manifest where the
+    daemon requires one), the packs of the layouts in use built, then published
+    (WatchVersions: READY). The model keeps the new source for later reloads. On any
+    failure nothing changes and the call fails with the reason.
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -248,6 +312,13 @@ class AdminAsyncStub(AdminStub):
     PinAdapter: _aio.UnaryUnaryMultiCallable[_weightd_pb2.AdapterNameRequest, _weightd_pb2.AdapterStatus]  # type: ignore[assignment]
     """A pinned adapter is never evicted to make room under the adapter budget."""
     UnpinAdapter: _aio.UnaryUnaryMultiCallable[_weightd_pb2.AdapterNameRequest, _weightd_pb2.AdapterStatus]  # type: ignore[assignment]
+    Publish: _aio.UnaryUnaryMultiCallable[_weightd_pb2.PublishRequest, _weightd_pb2.PublishResponse]  # type: ignore[assignment]
+    """Serves a new checkpoint (a directory or an s3:// prefix, e.g. a trainer's save) as
+    the model's next version: verified like any load (against a manifest where the
+    daemon requires one), the packs of the layouts in use built, then published
+    (WatchVersions: READY). The model keeps the new source for later reloads. On any
+    failure nothing changes and the call fails with the reason.
+    """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     """Operator operations. Served only on the admin listener (a Unix socket in the
@@ -305,5 +376,18 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _weightd_pb2.AdapterNameRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_weightd_pb2.AdapterStatus, _abc.Awaitable[_weightd_pb2.AdapterStatus]]: ...
+
+    @_abc_1.abstractmethod
+    def Publish(
+        self,
+        request: _weightd_pb2.PublishRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.PublishResponse, _abc.Awaitable[_weightd_pb2.PublishResponse]]:
+        """Serves a new checkpoint (a directory or an s3:// prefix, e.g. a trainer's save) as
+        the model's next version: verified like any load (against a manifest where the
+        daemon requires one), the packs of the layouts in use built, then published
+        (WatchVersions: READY). The model keeps the new source for later reloads. On any
+        failure nothing changes and the call fails with the reason.
+        """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,4 +1,6 @@
-"""vLLM integration: ``--load-format weightd`` loads a vLLM engine's weights from weightd.
+"""vLLM integration: ``--load-format weightd`` loads a vLLM engine's weights from weightd;
+``weight_transfer_config={"backend": "weightd"}`` moves a running engine to a new
+version in place (``transfer.py``, ``rl.py``).
 
 Installed with ``pip install "weightd[vllm]"``; vLLM finds it through the
 ``vllm.general_plugins`` entry point and calls :func:`register` in every process it
@@ -11,12 +13,14 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """vLLM's plugin hook: make ``load_format="weightd"`` known, and the ``weightd``
-    LoRA resolver when ``WEIGHTD_LORA`` is set (see :mod:`.lora_options`). Safe to call
-    repeatedly."""
+    """vLLM's plugin hook: make ``load_format="weightd"`` and the ``weightd`` weight-transfer
+    backend known, and the ``weightd`` LoRA resolver when ``WEIGHTD_LORA`` is set (see
+    :mod:`.lora_options`). Safe to call repeatedly."""
+    from .backend import register_transfer
     from .loader import register_loader
 
     register_loader()
+    register_transfer()  # weight_transfer_config={"backend": "weightd"}
     _register_lora()
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +34,9 @@ from .errors import WeightdLoadError
 from .identity import compare_files
 from .options import LoaderOptions, parse_options
 from .placement import worker_layout
-from .presharded import mark, presharded_loading
-from .vocab import fetch_rows, padded_layout, vllm_vocab_rows, vocab_share
+from .presharded import presharded_loading
+from .share import LoadReport, fetch_share
+from .vocab import padded_layout
 
 # Under vLLM's logger namespace so its handler and format print these lines with its own.
 log = logging.getLogger("vllm.weightd")
@@ -44,28 +44,7 @@ log = logging.getLogger("vllm.weightd")
 #: Attribute the loader sets on the model it loaded: what it received (a LoadReport).
 REPORT_ATTR = "weightd_load_report"
 
-
-@dataclass
-class LoadReport:
-    """What one worker received: for tests, benchmarks and the log."""
-
-    target: str
-    model: str
-    layout: Layout
-    transport: str = ""
-    seconds: float = 0.0
-    bytes: int = 0
-    #: name -> (shape received, shape in the checkpoint)
-    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
-    #: extra (tensor, weightd block) fetched to reconcile vLLM's vocabulary cut (only
-    #: against a daemon that predates ``vocab_pad``: see ``vocab.py``)
-    vocab_blocks: list[tuple[str, int]] = field(default_factory=list)
-    fallback: str = ""  # the error a fallback load replaced, if any
-    #: shard -> how it was proven to be the daemon's ("same file", "cache blob",
-    #: "sampled"), or "UNCHECKED: why" (only with the operator's ``identity: warn``)
-    identity: dict[str, str] = field(default_factory=dict)
-    #: This worker's request built its pack (shared memory only; False: prebuilt)
-    pack_built: bool = False
+__all__ = ["REPORT_ATTR", "LoadReport", "load_from_weightd", "register_loader"]
 
 
 #: What each situation means for this load, by the client's typed errors (the daemon
@@ -143,41 +122,14 @@ def load_from_weightd(
         with WeightClient(options.target, timeout=options.timeout) as client:
             desc = client.describe(options.model)
             identity = check_identity(Path(model_config.model), desc, options, where)
-
-            state, layout = fetch_rows(
-                lambda lay: client.fetch_layout(lay, model=desc.name, transport=options.transport),
-                layout,
-            )
-            info = client.last_fetch
-            report = LoadReport(options.target, desc.name, layout)
-            report.transport = info.transport if info is not None else ""
+            weights, report = fetch_share(client, desc, layout, model, transport=options.transport)
+            report.target = options.target
             report.identity = identity
-            # Whether this worker's request built the pack (False: built before it
-            # asked, e.g. at the daemon's load for a declared layout).
-            report.pack_built = bool(info and info.pack and info.pack.built)
-            full = {t.name: t.shape for t in desc.tensors}
-            vocab_rows = vllm_vocab_rows(model) if layout.tp_size > 1 else {}
-
-            def block(name: str, j: int) -> torch.Tensor:
-                report.vocab_blocks.append((name, j))
-                other = dataclasses.replace(layout, tp_rank=j)
-                got = client.fetch_layout(other, model=desc.name, names=[name], transport="grpc")
-                return got[name]
-
-            weights: list[tuple[str, torch.Tensor]] = []
-            for name, tensor in state.items():
-                shape = full[name]
-                t = tensor
-                if tuple(t.shape) != shape:
-                    t = mark(vocab_share(name, t, shape, layout, vocab_rows, block))
-                report.shapes[name] = (tuple(t.shape), shape)
-                report.bytes += t.numel() * t.element_size()
-                weights.append((name, t))
     except WeightdError as exc:
         raise WeightdLoadError(f"{where}: {_why(exc)}: {exc}") from exc
     with presharded_loading(model):
         loaded = model.load_weights(iter(weights))  # type: ignore[operator]
-    del weights, state
+    del weights
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     if model_config.quantization is None and loaded is not None:

@@ -116,3 +116,48 @@ def presharded_loading(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for param, original in reversed(installed):
             param.weight_loader = original
+
+
+@contextlib.contextmanager
+def presharded_reloading(model: torch.nn.Module) -> Iterator[None]:
+    """:func:`presharded_loading` for a model inside vLLM's layer-wise reload.
+
+    vLLM's ``initialize_layerwise_reload`` puts each layer back on the meta device and
+    replaces every parameter's ``weight_loader`` with a buffering wrapper that, once a
+    layer has all its weights, materializes it, calls the *original* loader (found by
+    unwrapping) and re-runs the layer's post-processing (on CPU: the GEMM repacking
+    that replaced the linear weights by empty parameters at start-up). A share must
+    reach that original loader through this module's wrappers, so here each buffering
+    wrapper is rebuilt around them (vLLM's own ``make_online_process_loader``, which
+    takes the parameter's current loader as the original). The parameters that carry
+    the rebuilt wrappers are the reload's (meta) ones and vLLM keeps them for the next
+    reload: each gets back the loader it had when the block ends.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        _get_original_loader,
+        make_online_process_loader,
+    )
+
+    installed: list[tuple[torch.Tensor, Callable[..., Any]]] = []
+    seen: set[int] = set()
+    try:
+        for prefix, module in model.named_modules():
+            for pname, param in list(module.named_parameters(recurse=False)):
+                current = getattr(param, "weight_loader", None)
+                if current is None or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                original = _get_original_loader(param)
+                if isinstance(module, VocabParallelEmbedding) and pname == "weight":
+                    wrapped = _vocab(module, original, prefix)
+                else:
+                    wrapped = _linear(original)
+                installed.append((param, current))
+                param.weight_loader = wrapped
+                if current is not original:  # vLLM buffers this layer: buffer around ours
+                    param.weight_loader = make_online_process_loader(module, pname)
+        yield
+    finally:
+        for param, loader in reversed(installed):
+            param.weight_loader = loader

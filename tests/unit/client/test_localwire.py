@@ -36,6 +36,7 @@ def test_an_acquire_is_what_protobuf_reads() -> None:
         adapter="ad",
         slice_digests=["blake3", "sha256"],
         no_wait=True,
+        version=2**33 + 5,
     )
     req = lpb.LocalRequest.FromString(data)
     assert req.WhichOneof("request") == "acquire"
@@ -48,6 +49,7 @@ def test_an_acquire_is_what_protobuf_reads() -> None:
         "ad",
     )
     assert list(a.slice_digests) == ["blake3", "sha256"] and a.no_wait
+    assert a.version == 2**33 + 5
     assert Layout.of_proto(a.layout) == LAYOUT
     # Defaults stay off the wire, as protobuf leaves them.
     plain = localwire.encode_acquire(model="", layout=Layout())
@@ -99,6 +101,7 @@ def _grant() -> lpb.PackGrant:
         built=True,
         adapter=pb.AdapterInfo(name="ad", version=3, scaling={"q": 0.5}),
         huge_pages=True,
+        version=12,
     )
 
 
@@ -110,6 +113,7 @@ def test_a_grant_reads_as_protobuf_wrote_it() -> None:
     for name in ("boot_id", "pack_id", "model", "placement", "size_bytes", "cuda_ipc_handle"):
         assert getattr(got, name) == getattr(want, name), name
     assert (got.gpu_uuid, got.pinned, got.built, got.huge_pages) == ("GPU-x", True, True, True)
+    assert got.version == 12
     assert got.layout == LAYOUT
     assert got.adapter == want.adapter.SerializeToString()
     for e, w in zip(got.entries, want.entries, strict=True):

@@ -24,6 +24,10 @@ FIELD_LIMITS: Final = {
     "service": 1024,
     "expected_digest": 256,
     "model_fingerprint": 256,
+    "source": 4096,  # a checkpoint directory or s3:// prefix (Publish)
+    "manifest": 4096,
+    "holder": 128,  # an engine's id (HoldVersion)
+    "hold_id": 64,
 }
 DEFAULT_FIELD_BYTES: Final = 1024
 #: Elements a repeated field may hold (a Fetch naming every tensor of a big model).

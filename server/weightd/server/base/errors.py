@@ -352,6 +352,11 @@ class TensorNotFound(WeightdError):
     code = Code.NOT_FOUND
 
 
+class VersionNotHeld(ModelNotFound):
+    """A model version the daemon no longer holds (replaced and let go, or never
+    published): an engine must move to a version the daemon still has."""
+
+
 class InvalidRequest(WeightdError):
     """The request itself is malformed (a rank outside the world, a zero world size)."""
 

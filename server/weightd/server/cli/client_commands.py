@@ -105,7 +105,7 @@ def add_fetch_parser(sub: Any) -> None:
 
 
 def add_parsers(sub: Any) -> None:
-    """``weightd list``, ``describe``, ``health`` and ``reload``."""
+    """``weightd list``, ``describe``, ``health``, ``reload`` and ``publish``."""
     worker = f"unix://{default_socket_path()}"
     ls = sub.add_parser("list", help="list the models a daemon serves")
     _add_target(ls, worker)
@@ -128,6 +128,26 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--model", default=None)
     r.add_argument("--timeout", type=float, default=None)
     _add_client_tls_args(r)
+
+    p = sub.add_parser(
+        "publish",
+        help="serve a new checkpoint (a directory or s3:// prefix) as a model's next version "
+        "(admin listener only)",
+    )
+    p.add_argument("source", help="an absolute checkpoint directory or an s3:// prefix")
+    p.add_argument("--model", default=None, help="the served model (default: the only one)")
+    p.add_argument(
+        "--target",
+        "--admin",
+        dest="target_flag",
+        metavar="ADDRESS",
+        help=f"the daemon's admin address: {ADDRESS_FORMS} "
+        f"(default: unix://{default_admin_path()})",
+    )
+    p.set_defaults(target=None)
+    p.add_argument("--manifest", default=None, help="the checkpoint's manifest (file or s3://)")
+    p.add_argument("--timeout", type=float, default=None)
+    _add_client_tls_args(p)
 
 
 def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
@@ -208,7 +228,8 @@ def run_list(args: argparse.Namespace) -> int:
             if m.state and m.state not in ("ready", "loading"):
                 state = f"{m.state}: {m.reason}"
             size = f"{m.num_tensors} tensors\t{m.total_bytes} bytes"
-            print(f"{m.name}\t{m.architecture}\t{size}\t{state}")
+            version = f"\tversion {m.version}" if m.version else ""
+            print(f"{m.name}\t{m.architecture}\t{size}\t{state}{version}")
     return 0
 
 
@@ -285,6 +306,25 @@ def health_failure(target: str, service: str, exc: grpc.RpcError) -> str:
     if error.reason in ("DaemonUnreachable", "NotWeightd"):
         return f"UNREACHABLE ({error.detail})"
     return f"{code.name} (the daemon answered: {error.detail})"
+
+
+def run_publish(args: argparse.Namespace) -> int:
+    import os
+
+    from weightd.client import AdminClient
+
+    creds = _credentials(args)
+    source = args.source
+    if "://" not in source:
+        source = os.path.abspath(source)  # the daemon refuses relative paths
+    with AdminClient(_target(args, admin=True), timeout=args.timeout, credentials=creds) as client:
+        r = client.publish(source, model=args.model, manifest=args.manifest)
+    print(
+        f"published {r.model} version {r.version} from {r.source}: {r.num_tensors} tensors, "
+        f"{r.total_bytes} bytes verified in {r.verify_seconds:.2f}s, {r.packs_built} packs "
+        f"prepared in {r.prepare_seconds:.2f}s"
+    )
+    return 0
 
 
 def run_reload(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from .client_commands import (
     run_fetch,
     run_health,
     run_list,
+    run_publish,
     run_reload,
 )
 from .client_commands import add_parsers as add_client_parsers
@@ -160,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only the client commands import the client (and fetch torch, to make tensors):
     # verify, manifest, serve, list and describe start seconds faster without it.
     explained: tuple[type[Exception], ...] = (WeightdError,)
-    if args.command in ("fetch", "list", "describe", "health", "reload", "adapter"):
+    if args.command in ("fetch", "list", "describe", "health", "reload", "adapter", "publish"):
         from weightd.client.errors import WeightdError as ClientError
 
         explained = (WeightdError, ClientError)
@@ -196,6 +197,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_reload(args)
     if args.command == "adapter":
         return run_adapter(args)
+    if args.command == "publish":
+        return run_publish(args)
     if args.command == "verify":
         return run_verify(args)
     if args.command == "manifest":

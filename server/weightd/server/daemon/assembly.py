@@ -30,6 +30,7 @@ from ..rpc.guards import AdminGate
 from ..rpc.interceptors import InflightTracker, RpcObserver
 from ..rpc.requests import RequestGuard
 from ..rpc.streams import StreamBounds, StreamWatchdog
+from ..rpc.versions import Versions
 from ..rpc.weights import WeightsService, add_weights_service
 from ..rpc.wire import WEIGHTS_SERVICE
 from ..sources.location import default_model_name
@@ -54,6 +55,7 @@ from .collectors import (
 )
 from .prebuilding import prebuilder_for, prepare_at_start, register_host_memory
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
+from .versioning import VersionCollector, create_versions, finish_versions
 
 log = logging.getLogger("weightd")
 
@@ -96,6 +98,8 @@ class Daemon:
 
     #: Builds and holds each model's declared layouts' packs at load (on Unix listeners).
     prebuilder: LayoutPrebuilder | None = None
+    #: Model versions: holds, the watch stream, Publish (``daemon/versioning.py``).
+    versions: Versions | None = None
 
     @property
     def target(self) -> str:
@@ -131,6 +135,8 @@ class Daemon:
         self.health.enter_graceful_shutdown()
         if self.adapters is not None:
             self.adapters.close()  # watch streams end now, not at the end of the grace
+        if self.versions is not None:
+            self.versions.close()
         for event in [s.stop(grace) for s in self.grpc_servers]:
             event.wait()
         self.close()
@@ -143,6 +149,8 @@ class Daemon:
             self.adapters.close()
         if self.prebuilder is not None:
             self.prebuilder.close()
+        if self.versions is not None:
+            self.versions.close()
         if self.local is not None:
             self.local.close()
         if self.watchdog is not None:
@@ -256,12 +264,14 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             autoload_slots=max(1, server_config.max_workers // 4),
         )
         adapters = Adapters(adapter_service)
+        versions = create_versions(registry)
         service = WeightsService(
             registry,
             server_config.chunk_bytes,
             adapters,
             resumes=metrics.fetch_resumes if metrics is not None else None,
             rehash=server_config.fetch_rehash,
+            versions=versions,
         )
         add_weights_service(service, server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -280,6 +290,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             locks=locks,
             adapters=adapters,
             resolver=resolver,
+            versions=versions,
         )
         daemon.reloader = Reloader(
             registry,
@@ -304,12 +315,13 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             if metrics_registry is not None and metrics is not None:
                 register_host_memory(metrics_registry, registry, daemon.local, metrics)
             daemon.prebuilder = prebuilder_for(config, daemon.local.service)
-            daemon.reloader.prepare = daemon.prebuilder.prepare
             service.after_fetch = daemon.prebuilder.after_read
+        finish_versions(versions, daemon.reloader, daemon.local, daemon.prebuilder)
         if metrics_registry is not None:
             adapter_service.metrics = adapter_metrics(
                 metrics_registry, adapter_service, daemon.local
             )
+            metrics_registry.register(VersionCollector(versions.versions.held))
         if warning:
             log.warning("%s", warning)
         if admin_address is not None:
@@ -317,7 +329,13 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
                 shared = os.path.dirname(admin_address.path) == os.path.dirname(address.path)
                 locks.append(prepare_unix_socket(admin_address.path, group=group and shared))
             daemon.admin_server = listeners.admin_server(
-                daemon.reloader, observer, allowed, adapters, watchdog, daemon.address
+                daemon.reloader,
+                observer,
+                allowed,
+                adapters,
+                watchdog,
+                daemon.address,
+                versions,
             )
             daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
         if config.health.listen is not None:

@@ -26,6 +26,7 @@ from ..rpc.health import ListenerHealth
 from ..rpc.interceptors import RpcObserver
 from ..rpc.requests import RequestGuard
 from ..rpc.streams import StreamBounds, StreamWatchdog
+from ..rpc.versions import Versions
 from .addresses import Address, parse_address
 from .security import TlsMaterial
 from .sockets import restrict_socket
@@ -102,10 +103,13 @@ def admin_server(
     adapters: Adapters | None = None,
     watchdog: StreamWatchdog | None = None,
     worker: Address | None = None,
+    versions: Versions | None = None,
 ) -> grpc.Server:
     bounds = StreamBounds(watchdog, ADMIN_MAX_STREAMS, "admin")
     worker_target = worker.grpc_target if worker is not None else None
-    return create_admin_server(reloader, observer, allowed, adapters, bounds, worker_target)
+    return create_admin_server(
+        reloader, observer, allowed, adapters, bounds, worker_target, versions
+    )
 
 
 #: Threads of the health listener, and the Watch streams it holds at most: the rest

@@ -234,6 +234,39 @@ class Reloader:
             f"model {echo(name)} is not served here (serving: {', '.join(every)})", model=name
         )
 
+    # --- what a Publisher shares (registry/publish.py) ------------------------------
+
+    @property
+    def registry(self) -> ModelRegistry:
+        return self._registry
+
+    @property
+    def options(self) -> VerifyOptions | None:
+        return self._options
+
+    @property
+    def resolver(self) -> SourceResolver | None:
+        return self._resolver
+
+    @property
+    def metrics(self) -> Metrics | None:
+        return self._metrics
+
+    def current_model(self, name: str) -> tuple[str, LoadedModel | None]:
+        """The model ``name`` names (empty: the only one) and its published version,
+        broken ones included; None when its load failed (a publish or a reload is how it
+        comes back)."""
+        return self._current(name)
+
+    def tables_of(self, model: LoadedModel | None) -> tuple[RuleTable, ...]:
+        """The rules tables a new version of ``model`` is planned with."""
+        return tuple(model.tables) if model is not None else self.tables
+
+    def follow(self, name: str, source: str) -> None:
+        """Reload ``name`` from ``source`` from now on (a published version's source)."""
+        with self._guard:
+            self._sources[name] = source
+
     @contextlib.contextmanager
     def exclusive(self, name: str) -> Iterator[None]:
         """Hold ``name``'s reload lock, so that nothing else reloads it meanwhile (the file

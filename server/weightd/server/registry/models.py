@@ -58,6 +58,9 @@ class LoadedModel:
     #: Why the files on disk no longer hold this version (a shard replaced or removed),
     #: while it keeps serving its verified, still-open files; None when they do.
     stale: str | None = None
+    #: Its version number among the model's versions (``registry.versions``), set when
+    #: it is published; 0 before.
+    version: int = 0
 
     @property
     def name(self) -> str:
@@ -180,10 +183,17 @@ class ModelRegistry:
         self._failed: dict[str, str] = {}
         self._models: dict[str, LoadedModel] = {}
         self._listeners: list[Callable[[str, bool], None]] = []
+        self._publish_hooks: list[Callable[[LoadedModel], None]] = []
 
     def on_change(self, listener: Callable[[str, bool], None]) -> None:
         """Call ``listener(model_name, serving)`` whenever a model's readiness changes."""
         self._listeners.append(listener)
+
+    def on_publish(self, hook: Callable[[LoadedModel], None]) -> None:
+        """Call ``hook(model)`` under the registry's lock as each model is published, in
+        publish order (versions are numbered there); it must be quick and never call
+        back into the registry."""
+        self._publish_hooks.append(hook)
 
     def _notify(self, name: str, serving: bool) -> None:
         for listener in self._listeners:
@@ -208,6 +218,8 @@ class ModelRegistry:
     def publish(self, model: LoadedModel) -> None:
         with self._lock:
             old = self._models.get(model.name)
+            for hook in self._publish_hooks:
+                hook(model)
             self._models[model.name] = model
             self._loading.discard(model.name)
             self._failed.pop(model.name, None)

@@ -17,13 +17,14 @@ import grpc
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
-from ..base.errors import NoAdapters, WorkerOnly
+from ..base.errors import InvalidRequest, NoAdapters, WorkerOnly
 from ..registry.loading import Reloader
 from .adapters import Adapters
 from .guards import AdminAuthorizer
 from .interceptors import Handler, RpcObserver
 from .requests import RequestGuard
 from .status import abort, unary
+from .versions import Versions
 from .wire import WEIGHTS_SERVICE
 
 log = logging.getLogger("weightd.admin")
@@ -32,9 +33,12 @@ MAX_RELOAD_WAIT_SECONDS = 365 * 86400.0
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, reloader: Reloader, adapters: Adapters | None = None) -> None:
+    def __init__(
+        self, reloader: Reloader, adapters: Adapters | None = None, versions: Versions | None = None
+    ) -> None:
         self._reloader = reloader
         self._adapters = adapters
+        self._versions = versions
 
     def _a(self) -> Adapters:
         if self._adapters is None:
@@ -91,6 +95,14 @@ class AdminService(pb_grpc.AdminServicer):
             verify_seconds=result.seconds,
         )
 
+    @unary
+    def Publish(
+        self, request: pb.PublishRequest, context: grpc.ServicerContext
+    ) -> pb.PublishResponse:
+        if self._versions is None:
+            raise InvalidRequest("this daemon publishes no versions")
+        return self._versions.publish(request)
+
 
 def create_admin_server(
     reloader: Reloader,
@@ -99,6 +111,7 @@ def create_admin_server(
     adapters: Adapters | None = None,
     bounds: grpc.ServerInterceptor | None = None,
     worker_target: str | None = None,
+    versions: Versions | None = None,
 ) -> grpc.Server:
     """A small gRPC server carrying only the Admin service (ports are added by the caller).
 
@@ -114,7 +127,7 @@ def create_admin_server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10)],
         maximum_concurrent_rpcs=4,
     )
-    pb_grpc.add_AdminServicer_to_server(AdminService(reloader, adapters), server)
+    pb_grpc.add_AdminServicer_to_server(AdminService(reloader, adapters, versions), server)
     server.add_generic_rpc_handlers([WorkerMethods(worker_target)])
     return server
 

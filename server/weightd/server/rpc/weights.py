@@ -29,6 +29,7 @@ from ..trust.integrity import slice_hasher
 from .adapters import Adapters
 from .resume import resume_start
 from .status import abort, unary
+from .versions import Versions
 from .wire import (
     DEFAULT_CHUNK_BYTES,
     WEIGHTS_SERVICE,
@@ -56,8 +57,12 @@ class WeightsService:
         resumes: Counter | None = None,
         *,
         rehash: bool = False,
+        versions: Versions | None = None,
     ) -> None:
         self.registry = registry
+        #: Model versions (Fetch/DescribeModel ``version``, the version RPCs); None: only
+        #: the current version of each model is served.
+        self.versions = versions
         #: ``--fetch-rehash``: hash every slice's bytes again as they are sent and compare
         #: with the anchor before sending its digest, for every stream; without it, for
         #: the streams whose request asks (``FetchRequest.rehash``; see :meth:`_stream`).
@@ -112,6 +117,40 @@ class WeightsService:
             context, "FetchAdapterFiles", lambda a: a.fetch_files(request, context)
         )
 
+    def _model(self, name: str, version: int) -> LoadedModel:
+        """``name`` at ``version`` (0: current); the current one when there are no versions."""
+        if self.versions is None:
+            if version:
+                raise InvalidRequest("this daemon serves no model versions; ask for version 0")
+            return self.registry.get(name)
+        return self.versions.versions.resolve(name, version)
+
+    def _versions(self) -> Versions:
+        if self.versions is None:
+            raise InvalidRequest("this daemon serves no model versions")
+        return self.versions
+
+    def WatchVersions(
+        self, request: pb.WatchVersionsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.VersionEvent]:
+        try:
+            versions = self._versions()
+        except Exception as exc:
+            abort(context, exc, "WatchVersions")
+        yield from versions.watch(request, context)
+
+    @unary
+    def HoldVersion(
+        self, request: pb.HoldVersionRequest, context: grpc.ServicerContext
+    ) -> pb.HoldVersionResponse:
+        return self._versions().hold(request)
+
+    @unary
+    def ReleaseVersion(
+        self, request: pb.ReleaseVersionRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseVersionResponse:
+        return self._versions().release(request)
+
     @unary
     def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.ServicerContext
@@ -132,6 +171,7 @@ class WeightsService:
                 ready=self.registry.is_ready(name),
                 state=state,
                 reason=reason,
+                version=m.version,
             )
         return out
 
@@ -139,7 +179,7 @@ class WeightsService:
     def DescribeModel(
         self, request: pb.DescribeModelRequest, context: grpc.ServicerContext
     ) -> pb.ModelDescription:
-        m = self.registry.get(request.model)
+        m = self._model(request.model, request.version)
         ckpt = m.checkpoint
         out = pb.ModelDescription(
             name=ckpt.name,
@@ -147,6 +187,7 @@ class WeightsService:
             config_json=ckpt.config_json,
             total_bytes=ckpt.total_bytes,
             model_fingerprint=m.fingerprint,
+            version=m.version,
         )
         # Every file the load read and verified, so a client can prove a local copy
         # (vLLM's model directory) is this checkpoint. A shard's SHA-256 is present
@@ -180,7 +221,7 @@ class WeightsService:
     ) -> Iterator[pb.FetchResponse | EncodedResponse]:
         model: LoadedModel | None = None
         try:
-            model = self.registry.get(request.model)
+            model = self._model(request.model, request.version)
             plan = model.plan_layout(Layout.of(request.layout), tuple(request.names))
             chunk = chunk_bytes(request.max_chunk_bytes, self.chunk_bytes)
             try:
@@ -214,7 +255,10 @@ class WeightsService:
             # The padding the vocabulary was cut with, echoed: what tells a client that
             # asked for vocab_pad this daemon honoured it (an old one leaves it 0).
             yield pb.FetchResponse(
-                model_fingerprint=served, slice_digest=named, vocab_pad=plan.layout.vocab_pad
+                model_fingerprint=served,
+                slice_digest=named,
+                vocab_pad=plan.layout.vocab_pad,
+                version=model.version,
             )
             rehash = self.rehash or request.rehash
             if request.rehash:
@@ -384,6 +428,21 @@ def add_weights_service(service: WeightsService, server: grpc.Server) -> None:
             service.FetchAdapterFiles,
             request_deserializer=pb.FetchAdapterFilesRequest.FromString,
             response_serializer=pb.AdapterFileChunk.SerializeToString,
+        ),
+        "WatchVersions": grpc.unary_stream_rpc_method_handler(
+            service.WatchVersions,
+            request_deserializer=pb.WatchVersionsRequest.FromString,
+            response_serializer=pb.VersionEvent.SerializeToString,
+        ),
+        "HoldVersion": grpc.unary_unary_rpc_method_handler(
+            service.HoldVersion,
+            request_deserializer=pb.HoldVersionRequest.FromString,
+            response_serializer=pb.HoldVersionResponse.SerializeToString,
+        ),
+        "ReleaseVersion": grpc.unary_unary_rpc_method_handler(
+            service.ReleaseVersion,
+            request_deserializer=pb.ReleaseVersionRequest.FromString,
+            response_serializer=pb.ReleaseVersionResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers(

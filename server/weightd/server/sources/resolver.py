@@ -20,6 +20,7 @@ The order is the trust argument:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -175,6 +176,13 @@ class SourceResolver:
         #: prune ever removes one of them.
         self._serving: dict[str, dict[str, str]] = {}
         self._retries_seen = 0
+
+    def with_verify(self, verify: VerifyOptions) -> SourceResolver:
+        """This resolver verifying with ``verify`` (a publish naming its own manifest);
+        the cache, its locks and the directories handed out stay shared."""
+        other = copy.copy(self)
+        other.verify = verify
+        return other
 
     @property
     def store(self) -> S3Store:

@@ -28,6 +28,7 @@ EVENTS: Final = frozenset(
     | {"adapter"}  # adapter load/replace/unload/evict/refuse (adapters/service.py)
     # rank packs (transports/): built, asked for while building, declared layouts ready
     | {"pack_built", "pack_pending", "layouts_built"}
+    | {"publish"}  # a trainer's new version (registry/publish.py)
 )
 
 #: Characters of one log message (an error quoting a multi-MiB answer stays readable).

@@ -60,6 +60,7 @@ from ..plan.declared import LayoutGroup
 from ..plan.layout import Layout
 from ..plan.planner import RankPlan
 from ..registry.models import LoadedModel, ModelRegistry
+from ..registry.versions import ModelVersions
 from ..telemetry import logs
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer, wire_layout
@@ -119,6 +120,9 @@ class PackService:
     ) -> None:
         self.registry = registry
         self.adapters = adapters
+        #: Resolves a request's model version (``AcquirePack.version``); None: only the
+        #: current version is served (the daemon sets it when it has versions).
+        self.versions: ModelVersions | None = None
         #: Open side-channel connections, for stats; the socket server sets it.
         self.connections: Callable[[], int] = lambda: 0
         self.boot_id = uuid.uuid4().hex
@@ -231,7 +235,10 @@ class PackService:
     def _acquire(self, req: lpb.AcquirePack) -> Outcome:
         if req.adapter:
             return self._acquire_adapter(req)
-        model = self.registry.get(req.model)
+        if self.versions is not None:
+            model = self.versions.resolve(req.model, req.version)
+        else:
+            model = self.registry.get(req.model)
         # The whole layout, validated and planned by the same code as a gRPC Fetch: a
         # pipeline stage or an expert rank gets exactly what Fetch would stream it.
         layout = Layout.of(req.layout)
@@ -241,10 +248,22 @@ class PackService:
         host = self.host_lease(model, plan, wait=not req.no_wait, remember=True)
         kinds = list(req.slice_digests)
         if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
-            return answer(self.boot_id, host, list(req.names), kinds)
-        key = (model.fingerprint, layout)
-        info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST)
-        return answer(self.boot_id, self._place(req, host, key, info), list(req.names), kinds)
+            out = answer(self.boot_id, host, list(req.names), kinds)
+        else:
+            key, info = key_of(model, layout), host.info
+            assert isinstance(info, PackInfo)
+            out = answer(self.boot_id, self._place(req, host, key, info), list(req.names), kinds)
+        if out.response.HasField("grant"):
+            out.response.grant.version = model.version
+        return out
+
+    def host_pack(self, model: LoadedModel, layout: Layout) -> Lease[HostPack]:
+        """A lease on ``model``'s host pack of ``layout``, built now (once) if absent.
+
+        ``model`` need not be published yet: a new version's packs are built before
+        it is announced (:mod:`.prepare`).
+        """
+        return self.host_lease(model, model.plan_layout(layout))
 
     def host_lease(
         self,
