@@ -102,12 +102,15 @@ def render() -> str:
         "## What a Python client raises",
         "",
         "`weightd.client` raises subclasses of its own `weightd.client.WeightdError`, "
-        "chosen by the status code of the failed call (or the code the daemon would "
-        "have used, for what the client detects itself: a digest mismatch, a stream "
-        "cut short). Each carries `.code` (a `grpc.StatusCode`), `.detail` (the "
-        'daemon\'s message) and `.transport` (`"shm"` or `"cuda_ipc"` when a '
-        "same-host transport failed on its own and gRPC may still serve the request). "
-        "See also the [Python API](python-api.md).",
+        "chosen by the daemon's error class (sent with every status as "
+        "`google.rpc.ErrorInfo`, and on the side socket) and, from a daemon that "
+        "predates it, by the status code (or the code the daemon would have used, for "
+        "what the client detects itself: a digest mismatch, a stream cut short). Each "
+        "carries `.code` (a `grpc.StatusCode`; `.code_name` its name), `.detail` (the "
+        "daemon's message), `.reason` and `.metadata` (the daemon's class and fields) "
+        'and `.transport` (`"shm"` or `"cuda_ipc"` when a same-host transport failed '
+        "on its own and gRPC may still serve the request). "
+        "See also [Errors](../guides/errors.md) and the [Python API](python-api.md).",
         "",
         "| client class | parent | code | when |",
         "|---|---|---|---|",
@@ -115,7 +118,7 @@ def render() -> str:
     base = client_errors.WeightdError
     for _, cls in [(0, base), *_tree(base)]:
         parent = cls.__mro__[1].__name__
-        code = getattr(cls, "code", None)
-        code_text = f"`{code.name}`" if code is not None else ""
+        code_name = getattr(cls, "code_name", "")
+        code_text = f"`{code_name}`" if code_name else ""
         out.append(f"| `{cls.__name__}` | `{parent}` | {code_text} | {_summary(cls)} |")
     return "\n".join(out) + "\n"

@@ -74,7 +74,10 @@ def test_tensor_parallel_llama_from_a_stock_model_equals_the_unsharded_one(
 
     prompt = [1, 306, 2658, 278, 3186]
     logits_path = tmp_path / "logits.pt"
-    with run_daemon(tmp_path, [("llama", demo_checkpoint)]) as daemon:
+    # The layout declared, as the guide says: its packs exist before SERVING, so both
+    # ranks map them (an undeclared one is served over gRPC while its packs build).
+    declared = ["--layout", "llama=tp=2"]
+    with run_daemon(tmp_path, [("llama", demo_checkpoint)], declared) as daemon:
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              "--nproc-per-node", "2", str(EXAMPLES / "tp_model.py"), daemon.target,

@@ -2,8 +2,8 @@
 
 For engines that read PEFT's own files (vLLM loads a LoRA adapter from a directory):
 the daemon sends ``adapter_config.json`` and ``adapter_model.safetensors`` exactly as it
-read and verified them, and :func:`fetch_adapter_files` checks here that their SHA-256s
-give the version's digest (the one an operator can pin), so what an engine writes out
+read and verified them, and :func:`fetch_adapter_files` checks that their SHA-256s give
+the version's digest (the one an operator can pin), so what an engine writes out
 and loads is byte for byte what the daemon verified. torch-free: the CLI and vLLM's
 API server process use it without making tensors.
 """

@@ -37,7 +37,7 @@ from .transports import FetchInfo, PackRef, Transport
 # that makes tensors: ``list_models`` and ``describe`` (``weightd list``) need none.
 # gRPC, its stubs and the wire types load with the first call that uses gRPC: a
 # same-host fetch talks only to the side socket (``localwire``) and never imports them
-# (~25 ms in a fresh worker here, against ~4 ms for the whole fetch).
+# (importing them costs a fresh worker more than the whole fetch: docs/notes, vLLM load).
 if TYPE_CHECKING:
     import grpc
     import torch

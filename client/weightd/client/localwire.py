@@ -2,8 +2,9 @@
 
 Why not the generated classes: a worker's first same-host fetch is what a fresh
 process pays before it has its weights, and importing the generated ``local_pb2``
-(which pulls ``weightd_pb2`` and builds both descriptor pools) cost ~11 ms here, more
-than the whole fetch (mapping a sealed pack and viewing its tensors: ~4 ms). This
+(which pulls ``weightd_pb2`` and builds both descriptor pools) cost a fresh worker
+more than the whole fetch (mapping a sealed pack and viewing its tensors; measured in
+the vLLM load note in docs/notes). This
 module encodes the one request a fetch sends (``LocalRequest`` with ``AcquirePack`` or
 ``AttachPack``) and decodes the two answers it reads (``LocalHello``,
 ``LocalResponse`` with a ``PackGrant`` or a ``LocalError``) with the standard library

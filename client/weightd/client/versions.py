@@ -78,6 +78,7 @@ class VersionWatch:
             raise from_rpc_error(exc) from None
 
     def close(self) -> None:
+        """End the watch (the daemon's stream is cancelled; iteration stops)."""
         self._call.cancel()
 
     def __enter__(self) -> VersionWatch:
@@ -103,6 +104,7 @@ class VersionHold:
 
     @property
     def version(self) -> int:
+        """The version number held."""
         return self.info.version
 
     def release(self) -> bool:

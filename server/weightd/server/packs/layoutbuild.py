@@ -2,12 +2,11 @@
 
 Why one pass: the build this replaces read each tensor twice (once to anchor every
 peer's SHA-256 against the verified BLAKE3, once more to fill the pack) and hashed
-the sealed pack a third time with SHA-256, one rank at a time: ~2.3 CPU-seconds per
-GB, 0.2-0.44 GB/s here. A layout's ranks together hold every tensor (each once, or
-a replicated one once per rank), so reading each tensor once and cutting it into all
-of them at once is the least I/O there is; what is left per byte is one read, one
-BLAKE3 of the tensor (the proof) and one BLAKE3 of each rank's slice (the digest a
-client checks), 0.4-0.5 CPU-seconds per GB.
+the sealed pack a third time with SHA-256, one rank at a time. A layout's ranks
+together hold every tensor (each once, or a replicated one once per rank), so reading
+each tensor once and cutting it into all of them at once is the least I/O there is;
+what is left per byte is one read, one BLAKE3 of the tensor (the proof) and one BLAKE3
+of each rank's slice (the digest a client checks). Measured: docs/notes (vLLM load).
 
 The proof, per tensor, unchanged in strength:
 
