@@ -349,6 +349,11 @@ class TransportUnavailable(UnavailableError):
     itself fine; ``transport="auto"`` falls back to gRPC."""
 
 
+class PackPendingError(TransportUnavailable):
+    """The pack is being built and the request said not to wait (``no_wait``): the
+    daemon serves the same tensors over gRPC now, from its verified shards."""
+
+
 class StaleGrant(FailedPreconditionError):
     """A pack reference from an earlier daemon run, or one that no longer exists: fetch
     again."""
@@ -389,6 +394,7 @@ REASONS: Final[dict[str, type[WeightdError]]] = {
     "ResourceLimitError": LimitExceeded,
     "ObjectStoreError": ObjectStoreFailed,
     "TransportError": TransportUnavailable,
+    "PackPending": PackPendingError,
     "StaleGrant": StaleGrant,
     "InternalError": InternalError,
 }

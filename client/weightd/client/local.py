@@ -23,6 +23,7 @@ from weightd.common.frames import MAX_REQUEST_FRAME_BYTES, FrameError, recv_fram
 
 from .errors import (
     MAX_FIELDS,
+    PackPendingError,
     ResourceExhaustedError,
     UnavailableError,
     WeightdError,
@@ -55,11 +56,6 @@ class _Message(Protocol):
 
 #: Connecting and reading the hello take no longer than this.
 CONNECT_TIMEOUT_SECONDS: Final = 10.0
-
-
-class PackPendingError(UnavailableError):
-    """The pack is being built and the request said not to wait (``no_wait``): the
-    daemon serves the same tensors over gRPC now, from its verified shards."""
 
 
 class LocalConnection:
@@ -141,9 +137,12 @@ class LocalConnection:
             for fd in fds:
                 os.close(fd)
             err = response.error
-            if err.pending:
-                raise PackPendingError(err.detail, transport=self.transport)
-            raise local_error(err, self.transport)
+            error = local_error(err, self.transport)
+            if err.pending and not isinstance(error, PackPendingError):  # a daemon without reasons
+                raise PackPendingError(
+                    err.detail, transport=self.transport, reason=err.reason, metadata=error.metadata
+                )
+            raise error
         return response, fds
 
     def close(self) -> None:

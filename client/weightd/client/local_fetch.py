@@ -7,10 +7,16 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError, WeightdError
+from .errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    PackPendingError,
+    UnavailableError,
+    WeightdError,
+)
 from .hashers import available_kinds
 from .layout import Layout
-from .local import LocalConnection, PackPendingError, attach_request, pack_ref
+from .local import LocalConnection, attach_request, pack_ref
 from .localwire import PLACEMENT_CUDA, PLACEMENT_HOST, Grant, encode_acquire
 from .shm import map_host_pack
 from .transports import FetchInfo, PackRef, TransportFailure, candidates, side_socket_path
@@ -138,7 +144,7 @@ def fetch_local(
 ) -> tuple[dict[str, torch.Tensor], PackRef]:
     """One worker's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc".
 
-    ``no_wait``: a pack still being built raises :class:`.local.PackPendingError` at
+    ``no_wait``: a pack still being built raises :class:`.errors.PackPendingError` at
     once instead of waiting for the build (``transport="auto"`` then uses gRPC).
     """
     conn = LocalConnection(path, transport, timeout)

@@ -111,7 +111,8 @@ def reference_markdown() -> str:
             heading = "Top level" if current is None else f"`[{current}]`: {title(tables[current])}"
             out += ["", f"## {heading}", "", "| flag | file key | variable | default | |"]
             out.append("|---|---|---|---|---|")
-        kind = s.spec.kind.describe()
+        # Escaped so that a metavar such as ``[,pp=N]`` is not read as a link reference.
+        kind = s.spec.kind.describe().replace("[", "\\[").replace("]", "\\]").replace("|", "\\|")
         optional = " (optional)" if isinstance(s.spec.kind, Maybe) else ""
         help_text = s.spec.help.replace("|", "\\|")
         out.append(

@@ -47,10 +47,9 @@ def version_preparation(
 
     def prepare_version(model: LoadedModel) -> Prepared:
         started = time.monotonic()
-        if prebuilder is not None:
-            prebuilder.prepare(model)
+        built = 0 if prebuilder is None else prebuilder.prepare(model)
         done = prepare_host_packs(service, model)
-        return Prepared(done.packs_built, time.monotonic() - started)
+        return Prepared(built + done.packs_built, time.monotonic() - started)
 
     return prepare_version
 

@@ -71,8 +71,9 @@ class LayoutPrebuilder:
                     out.append((g, "remembered"))
         return out
 
-    def prepare(self, model: LoadedModel) -> None:
+    def prepare(self, model: LoadedModel) -> int:
         """Build (or find) and hold the packs of ``model``'s layouts; drop its shard pages.
+        Returns how many packs were built (not found already built).
 
         Raises what a declared layout's planning raises, and DataIntegrityError when a
         build finds bytes that are not the verified ones (the model is then broken).
@@ -115,7 +116,7 @@ class LayoutPrebuilder:
         for lease in old:  # the version this one replaces: its packs age out by their TTL
             self._let_go(lease)
         if not built:
-            return
+            return 0
         dropped = self.options.drop_shard_pages
         if dropped:
             for shard in model.store.shards.values():
@@ -129,6 +130,7 @@ class LayoutPrebuilder:
             seconds=time.monotonic() - started,
             shard_pages_dropped=dropped,
         )
+        return sum(int(lease.built) for lease in leases)
 
     def _hold(self, model: LoadedModel, plans: Sequence[RankPlan]) -> list[Lease[HostPack]]:
         """Leases on every rank's pack; the missing ones built together, in one pass."""
