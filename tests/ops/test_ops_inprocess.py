@@ -268,3 +268,32 @@ def test_tls_only_listener(tmp_path: Path, demo_model: Path, pki: Pki) -> None:
         with WeightClient(daemon.target, timeout=5) as plaintext, pytest.raises(Exception) as info:
             plaintext.list_models()
         assert getattr(info.value, "code", None) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_request_naming_no_model_while_the_models_load_is_told_to_wait(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    """The listeners are up before the first model verifies: a fetch that names no
+    model then must hear "still being verified" (UNAVAILABLE, which clients retry), not
+    that the daemon serves no models (INVALID_ARGUMENT, the caller's mistake)."""
+    from weightd.client import NotServing
+
+    config = ServeConfig(
+        model=(Named("llama", str(demo_model)),),
+        listen=f"unix://{tmp_path}/run/weightd.sock",
+    )
+    config.set("admin.listen", f"unix://{tmp_path}/run/admin.sock")
+    daemon = create_daemon(config, CollectorRegistry())
+    try:  # serving, no model loaded yet: what a client sees between bind and verify
+        with WeightClient(daemon.target, timeout=30) as client:
+            with pytest.raises(NotServing) as info:
+                client.fetch(0, 1, transport="grpc")
+            assert info.value.reason == "ModelNotReady"
+            assert "'llama' is still being verified" in info.value.detail
+            listed = {m.name: m.state for m in client.list_models()}
+            assert listed == {"llama": "loading"}
+        load_models(daemon, [("llama", str(demo_model))])
+        with WeightClient(daemon.target, timeout=30) as client:
+            assert client.fetch(0, 1, transport="grpc")
+    finally:
+        daemon.stop(0)
