@@ -50,7 +50,9 @@ out="${TMPDIR:-/tmp}/weightd-demo-rank0-of-4.safetensors"
 # group, the daemon would get the terminal's SIGINT and then the clean-up's SIGTERM, and
 # count the two as "stop now, abort what is in flight".
 set -m
-"$py" -m weightd.server.cli.main serve --listen "$target" &
+# --layout tp=2: the worker's layout, built in shared memory before the daemon reports
+# SERVING, so the worker below maps its slices (no copy over gRPC).
+"$py" -m weightd.server.cli.main serve --listen "$target" --layout tp=2 &
 daemon=$!
 set +m
 daemon_status=0
