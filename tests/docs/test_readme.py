@@ -59,3 +59,25 @@ def test_no_install_from_a_package_index_and_no_missing_pages() -> None:
         # that has no such package; from a clone it is `pip install .` / `".[s3]"`.
         assert not re.search(r"pip install +['\"]?weightd\b", text), path
         assert "VLLM.md" not in text, f"{path}: links a file that is not in the repository"
+
+
+def test_the_object_store_bounds_it_states_are_the_codes() -> None:
+    """The README states the object-store bounds (issue 37); ``sources/bounds.py`` holds
+    them. A bound changed in the code without the README fails here."""
+    from weightd.server.sources import bounds as b
+
+    text = " ".join(README.read_text().split())
+    stated = {
+        f"{b.MAX_LIST_KEYS:,} keys": "MAX_LIST_KEYS",
+        f"{b.MAX_LIST_PAGES} pages ({b.MAX_EMPTY_PAGES} empty in a row)": "pages",
+        f"{b.MAX_LIST_BYTES >> 20} MiB and `s3.list_seconds` ({b.DEFAULT_LIST_SECONDS:g} s)": (
+            "listing bytes and time"
+        ),
+        f"`s3.request_seconds` ({b.DEFAULT_REQUEST_SECONDS:g} s)": "request_seconds",
+        f"`s3.min_bytes_per_second` ({b.DEFAULT_MIN_BYTES_PER_SECOND >> 10} KiB/s)": "rate",
+        f"`s3.rate_grace_seconds` ({b.DEFAULT_RATE_GRACE_SECONDS:g} s)": "grace",
+    }
+    missing = [f"{what}: {phrase!r}" for phrase, what in stated.items() if phrase not in text]
+    assert not missing, "README.md does not state these bounds as the code has them: " + (
+        "; ".join(missing)
+    )

@@ -23,7 +23,6 @@ from weightd.common.frames import MAX_REQUEST_FRAME_BYTES, FrameError, recv_fram
 
 from .errors import (
     MAX_FIELDS,
-    PackPendingError,
     ResourceExhaustedError,
     UnavailableError,
     WeightdError,
@@ -137,12 +136,9 @@ class LocalConnection:
             for fd in fds:
                 os.close(fd)
             err = response.error
-            error = local_error(err, self.transport)
-            if err.pending and not isinstance(error, PackPendingError):  # a daemon without reasons
-                raise PackPendingError(
-                    err.detail, transport=self.transport, reason=err.reason, metadata=error.metadata
-                )
-            raise error
+            # A pending pack arrives as reason PackPending (PackPendingError): every daemon
+            # that sends ``pending`` sends its reason too.
+            raise local_error(err, self.transport)
         return response, fds
 
     def close(self) -> None:

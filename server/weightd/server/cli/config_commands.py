@@ -83,6 +83,12 @@ def run_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cell(text: str) -> str:
+    """``text`` as a table cell's Markdown: a ``|`` would end the cell, and brackets (a
+    metavar such as ``[,pp=N]``) would be read as a link reference."""
+    return text.replace("|", "\\|").replace("[", "\\[").replace("]", "\\]")
+
+
 def reference_markdown() -> str:
     """Every serve setting as a Markdown reference page: the docs site's
     ``reference/settings.md``, rendered by ``docs/hooks.py`` on every build."""
@@ -111,10 +117,9 @@ def reference_markdown() -> str:
             heading = "Top level" if current is None else f"`[{current}]`: {title(tables[current])}"
             out += ["", f"## {heading}", "", "| flag | file key | variable | default | |"]
             out.append("|---|---|---|---|---|")
-        # Escaped so that a metavar such as ``[,pp=N]`` is not read as a link reference.
-        kind = s.spec.kind.describe().replace("[", "\\[").replace("]", "\\]").replace("|", "\\|")
+        kind = _cell(s.spec.kind.describe())
         optional = " (optional)" if isinstance(s.spec.kind, Maybe) else ""
-        help_text = s.spec.help.replace("|", "\\|")
+        help_text = _cell(s.spec.help)
         out.append(
             f"| `{s.flag}` | `{s.key}` | `{s.env}` | {default_text(s)} | "
             f"{help_text}. *{kind}{optional}* |"

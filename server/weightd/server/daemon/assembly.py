@@ -215,6 +215,11 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         metrics_registry.register(ModelCollector(registry, metrics.scrape_errors))
         metrics_registry.register(ModelStateCollector(registry))
         metrics_registry.register(GpuMemoryCollector())
+    # Every configured model is known (``loading``) before anything listens (the side
+    # socket accepts from its creation): a request that names no model during start-up
+    # then hears "still being verified" (UNAVAILABLE, retried), not "this daemon serves
+    # 0 models" (a caller's mistake it did not make).
+    _expect_models(registry, metrics, [(m.name, m.value) for m in config.model])
     tracker = InflightTracker()
     observer = RpcObserver(metrics, tracker, listeners.model_resolver(registry))
     watchdog = (
@@ -351,10 +356,6 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             daemon.metrics_server = serve_metrics(metrics_registry, host, port)
     for status_name in ("", WEIGHTS_SERVICE):
         health_servicer.set(status_name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    # Every configured model is known (``loading``) before the first request can arrive:
-    # a request that names none then hears "still being verified" (UNAVAILABLE, retried),
-    # not "this daemon serves 0 models" (a caller's mistake it did not make).
-    _expect_models(daemon, [(m.name, m.value) for m in config.model])
     registry.on_change(daemon.set_serving)
     if daemon.watcher is not None:
         daemon.watcher.start()
@@ -364,13 +365,15 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     return daemon
 
 
-def _expect_models(daemon: Daemon, models: list[tuple[str | None, str]]) -> list[tuple[str, str]]:
+def _expect_models(
+    registry: ModelRegistry, metrics: Metrics | None, models: list[tuple[str | None, str]]
+) -> list[tuple[str, str]]:
     """``models`` by name, each registered as ``loading`` (idempotent)."""
     named = [(name or default_model_name(d), d) for name, d in models]
     for name, _ in named:
-        daemon.registry.expect(name)
-        if daemon.metrics is not None:
-            daemon.metrics.model_known(name)
+        registry.expect(name)
+        if metrics is not None:
+            metrics.model_known(name)
     return named
 
 
@@ -385,7 +388,7 @@ def load_models(
     whatever the others do. A model that fails is ``failed`` (the others serve; a reload
     retries it); only when every model failed does the first failure propagate (there
     is nothing to serve)."""
-    named = _expect_models(daemon, models)
+    named = _expect_models(daemon.registry, daemon.metrics, models)
     if daemon.reloader is not None:
         daemon.reloader.tables = tuple(tables)
 
