@@ -290,6 +290,9 @@ def test_a_request_naming_no_model_while_the_models_load_is_told_to_wait(
                 client.fetch(0, 1, transport="grpc")
             assert info.value.reason == "ModelNotReady"
             assert "'llama' is still being verified" in info.value.detail
+            with pytest.raises(NotServing) as info:  # the side socket, open from its creation
+                client.fetch(0, 1, transport="shm")
+            assert info.value.reason == "ModelNotReady"
             listed = {m.name: m.state for m in client.list_models()}
             assert listed == {"llama": "loading"}
         load_models(daemon, [("llama", str(demo_model))])
