@@ -27,7 +27,7 @@ from weightd.server.config.kinds import (
     Seconds,
     Text,
 )
-from weightd.server.config.load import SETTINGS, Loaded, check, load
+from weightd.server.config.load import OTHER_VARIABLES, SETTINGS, Loaded, check, load
 from weightd.server.plan.declared import DeclaredLayout, LayoutGroup, parse_declared
 
 #: Environment used for every load here: no variable of the machine leaks in.
@@ -76,9 +76,9 @@ def _text(kind: Kind[Any], value: Any) -> str:
     if isinstance(kind, Maybe):
         return _text(kind.inner, value)
     if isinstance(kind, Items):
-        if any("," in str(v) for v in value):  # items that hold commas: a JSON array
+        if any(kind.separator in str(v) for v in value):  # items that hold it: a JSON array
             return json.dumps([str(v) for v in value])
-        return ",".join(str(v) for v in value)
+        return kind.separator.join(str(v) for v in value)  # each item as its flag spells it
     if isinstance(kind, Flag):
         return "true" if value else "false"
     if isinstance(kind, ByteSize):
@@ -239,6 +239,67 @@ def test_empty_and_foreign_variables_are_not_settings() -> None:
     loaded = load({}, {**BASE_ENV, "WEIGHTD_MAX_WORKERS": "", "WEIGHTD_PYTHON": "/usr/bin/py"})
     assert loaded.config.server.max_workers == 16
     assert str(loaded.origins["server.max_workers"]) == "default"
+
+
+@pytest.mark.parametrize(
+    ("variable", "suggestion"),
+    [
+        ("WEIGHTD_MAX_WORKER", "WEIGHTD_MAX_WORKERS"),
+        ("WEIGHTD_LAYOUTS", "WEIGHTD_LAYOUT"),
+        ("WEIGHTD_S3_ENDPIONT", "WEIGHTD_S3_ENDPOINT"),
+    ],
+)
+def test_a_misspelled_variable_is_refused_with_a_suggestion(variable: str, suggestion: str) -> None:
+    """As a misspelled key of the file is (issue 48, point 5): never ignored silently."""
+    with pytest.raises(UsageError) as info:
+        load({}, {**BASE_ENV, variable: "8"})
+    message = str(info.value)
+    assert message.startswith(f"{variable}: no such setting (did you mean {suggestion}?)")
+    assert "\n" not in message
+
+
+def test_a_variable_far_from_any_setting_is_refused_too() -> None:
+    with pytest.raises(UsageError, match=r"^WEIGHTD_ZZZZZZZZZZZZZZ: no such setting;"):
+        load({}, {**BASE_ENV, "WEIGHTD_ZZZZZZZZZZZZZZ": "1"})
+
+
+@pytest.mark.parametrize(
+    "layout", ["tp=2,vocab_pad=64", "llama=tp=2,vocab_pad=64", "tp=2,pp=2,pp_layers=1+1"]
+)
+def test_a_layout_in_the_variable_is_the_flags_syntax(layout: str) -> None:
+    """``WEIGHTD_LAYOUT`` takes ``--layout``'s text as it is (issue 48, point 5): a layout's
+    own commas do not split it; several layouts are separated by ``;``."""
+    by_flag = _from_flags(["--layout", layout])
+    by_env = load({}, {**BASE_ENV, "WEIGHTD_LAYOUT": layout})
+    assert len(by_flag.config.layout) == 1
+    assert by_env.config == by_flag.config
+    two_flags = _from_flags(["--layout", layout, "--layout", "other=tp=1"])
+    two_env = load({}, {**BASE_ENV, "WEIGHTD_LAYOUT": f"{layout};other=tp=1"})
+    assert two_env.config == two_flags.config and len(two_env.config.layout) == 2
+
+
+def test_every_weightd_variable_the_repository_uses_is_known() -> None:
+    """A new script or test variable named ``WEIGHTD_*`` must be a setting's or listed in
+    ``OTHER_VARIABLES``; otherwise ``weightd serve`` would refuse it in that environment."""
+    import re
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.split()
+    names: set[str] = set()
+    for name in files:
+        path = root / name
+        if path == Path(__file__):
+            continue  # this file's misspellings are on purpose
+        if path.suffix in {".py", ".sh", ".toml", ".yaml", ".yml", ""} and path.is_file():
+            names |= set(
+                re.findall(r"\bWEIGHTD_[A-Z0-9_]*[A-Z0-9]\b", path.read_text("utf-8", "replace"))
+            )
+    known = {s.env for s in SETTINGS} | OTHER_VARIABLES
+    assert names, "the repository names WEIGHTD_* variables"
+    assert sorted(names - known) == []
 
 
 CROSS = [

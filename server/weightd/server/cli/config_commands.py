@@ -105,7 +105,10 @@ def reference_markdown() -> str:
         "`weightd config show` prints the effective value of each and where it came from.",
         "",
         "Lists: repeat the flag, write a TOML array, or separate items with commas in the "
-        "variable (a JSON array when an item holds a comma). Byte counts take units: "
+        "variable (with `;` for `WEIGHTD_LAYOUT`, whose items have commas of their own: "
+        "`WEIGHTD_LAYOUT='llama=tp=2,vocab_pad=64'` is `--layout llama=tp=2,vocab_pad=64`; "
+        "a JSON array always works). A `WEIGHTD_*` variable that is no setting's is "
+        "refused, naming the closest one. Byte counts take units: "
         "`64MiB`, `1GiB`, `10GB`. Switches: `--x` / `--no-x`, `true`/`false` in the file, "
         "`1`/`0` (or `true`/`false`, `yes`/`no`, `on`/`off`) in the variable.",
     ]

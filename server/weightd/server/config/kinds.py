@@ -219,10 +219,16 @@ class Maybe(Kind[Any]):
 
 @dataclass(frozen=True)
 class Items(Kind[Any]):
-    """A list: a repeatable flag, a TOML array, or text with items split by commas (or a
-    JSON array, for items that hold commas themselves)."""
+    """A list: a repeatable flag, a TOML array, or text with items split by ``separator``
+    (or a JSON array, for items that hold the separator themselves).
+
+    The separator is a comma unless an item's own syntax has commas (a layout,
+    ``tp=2,vocab_pad=64``): those lists are split at ``;``, so the flag's text is one
+    item in the variable as it is on the command line.
+    """
 
     inner: Kind[Any] = Text()
+    separator: str = ","
 
     def from_text(self, text: str) -> Any:
         stripped = text.strip()
@@ -234,7 +240,8 @@ class Items(Kind[Any]):
             if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
                 raise KindError(f"expected a JSON array of strings, got {_show(text)}")
         else:
-            items = [part.strip() for part in stripped.split(",") if part.strip()]
+            parts = stripped.split(self.separator)
+            items = [part.strip() for part in parts if part.strip()]
         return tuple(self.inner.from_text(i) for i in items)
 
     def from_items(self, items: Sequence[str]) -> Any:
@@ -250,7 +257,9 @@ class Items(Kind[Any]):
         return "[" + ", ".join(self.inner.to_toml(v) for v in value) + "]"
 
     def describe(self) -> str:
-        return f"list of {self.inner.describe()}"
+        if self.separator == ",":
+            return f"list of {self.inner.describe()}"
+        return f"list of {self.inner.describe()}; '{self.separator}' between items in the variable"
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,31 @@ CONFIG_ENV: Final = ENV_PREFIX + "CONFIG"
 SETTINGS: Final = tuple(settings(ServeConfig))
 _BY_PATH: Final = {s.path: s for s in SETTINGS}
 
+#: ``WEIGHTD_*`` variables that are not serve settings: the config file's, the vLLM
+#: plugin's, and those of the project's scripts and tests. Any other ``WEIGHTD_*``
+#: variable is a mistake (a misspelled setting) and is refused, with the setting it
+#: is closest to, as an unknown key of the file is (tests/unit/config checks that every
+#: ``WEIGHTD_*`` name the repository uses is a setting or listed here).
+OTHER_VARIABLES: Final = frozenset(
+    {
+        CONFIG_ENV,
+        ENV_PREFIX + "LORA",  # weightd.vllm's LoRA options, read in vLLM's processes
+        # deploy/demo.sh and .ci/setup.sh
+        ENV_PREFIX + "PYTHON",
+        ENV_PREFIX + "TORCH_SPEC",
+        ENV_PREFIX + "DEMO_SOCKET",
+        ENV_PREFIX + "VLLM",
+        ENV_PREFIX + "VLLM_SPEC",
+        ENV_PREFIX + "APT_LOCK_TIMEOUT",
+        ENV_PREFIX + "APT_LOCKS",
+        # the test suite's
+        ENV_PREFIX + "VLLM_PYTHON",
+        ENV_PREFIX + "TEST_DISKFULL",
+        ENV_PREFIX + "FUZZ_EXAMPLES",
+        ENV_PREFIX + "CORPUS_SUBPROCESS",
+    }
+)
+
 
 @dataclass(frozen=True)
 class Origin:
@@ -129,9 +154,10 @@ def _from_toml(s: Setting, value: Any, path: str) -> tuple[Any, Origin]:
 def env_values(env: Mapping[str, str]) -> dict[str, tuple[Any, Origin]]:
     """Each setting a ``WEIGHTD_*`` variable gives (an empty variable counts as unset).
 
-    Other ``WEIGHTD_*`` variables are not settings (the scripts' own, such as
-    ``WEIGHTD_PYTHON``) and are left alone.
+    A ``WEIGHTD_*`` variable that is neither a setting's nor one of
+    :data:`OTHER_VARIABLES` raises :class:`UsageError` naming the closest setting's.
     """
+    _refuse_unknown_variables(env)
     out: dict[str, tuple[Any, Origin]] = {}
     for s in SETTINGS:
         text = env.get(s.env)
@@ -145,6 +171,19 @@ def env_values(env: Mapping[str, str]) -> dict[str, tuple[Any, Origin]]:
         _check(s, value, origin, UsageError)
         out[s.path] = (value, origin)
     return out
+
+
+def _refuse_unknown_variables(env: Mapping[str, str]) -> None:
+    known = {s.env for s in SETTINGS}
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in known or name in OTHER_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name, sorted(known | OTHER_VARIABLES), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(
+            f"{_quote(name)}: no such setting{hint}; a setting's variable is WEIGHTD_ "
+            "and its flag in capitals ('weightd serve --help' lists the flags)"
+        )
 
 
 def flag_values(given: Mapping[str, Any]) -> dict[str, tuple[Any, Origin]]:

@@ -429,7 +429,7 @@ class ServeConfig:
     )
     layout: tuple[DeclaredLayout, ...] = setting(
         (),
-        Items(_LAYOUT),
+        Items(_LAYOUT, separator=";"),
         "a deployment to build shared-memory packs for at load, before SERVING "
         "(repeatable; MODEL= limits it to one model; vLLM asks for tp=N at TP=1 and "
         "tp=N,vocab_pad=64 above)",
