@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
@@ -97,6 +98,24 @@ def missing_socket(target: str) -> DaemonUnreachable | None:
     )
 
 
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return True  # gone or unreadable since: say what a socket nobody serves gets
+
+
+def _what(path: str) -> str:
+    """What ``path`` is, for a message: "a directory", "a regular file", ..."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "not reachable"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a regular file" if stat.S_ISREG(mode) else "a special file"
+
+
 def peer_error(target: str, code: grpc.StatusCode | str, detail: str) -> WeightdError | None:
     """One line for a call that reached no weightd daemon at ``target`` (None: it did).
 
@@ -135,6 +154,12 @@ def peer_error(target: str, code: grpc.StatusCode | str, detail: str) -> Weightd
         return missing
     if unix_path(target) is None and "resolv" in lowered:
         hint = "the host name does not resolve (a Unix socket is a path: ./x.sock, /run/x.sock)"
+    elif unix_path(target) is not None and not _is_socket(unix_path(target) or ""):
+        hint = (
+            f"{unix_path(target)} is {_what(unix_path(target) or '')}, not a socket: pass the "
+            "daemon's socket (its 'listening listener=worker' line names it; default "
+            f"unix://{default_socket_path()})"
+        )
     elif unix_path(target) is not None:
         hint = "nothing listens on that socket: is `weightd serve` running? (a daemon that "
         hint += "stopped leaves its socket behind)"

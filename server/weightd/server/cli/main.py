@@ -31,6 +31,7 @@ from .client_commands import (
 from .client_commands import add_parsers as add_client_parsers
 from .config_commands import add_parsers as add_config_parsers
 from .config_commands import run_config
+from .parsing import Parser
 from .serve_options import add_config_arguments, given_flags
 from .trust_commands import add_parsers as add_trust_parsers
 from .trust_commands import run_manifest, run_verify
@@ -39,9 +40,7 @@ log = logging.getLogger("weightd")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="weightd", description="Serve verified per-rank slices of model checkpoints."
-    )
+    p = Parser(prog="weightd", description="Serve verified per-rank slices of model checkpoints.")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -25,7 +25,7 @@ from ..config.build import local_config, verify_options
 from ..daemon.addresses import Address, parse_address
 from ..daemon.listeners import admin_address, host_port
 from ..daemon.security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
-from ..daemon.sockets import socket_home
+from ..daemon.sockets import already_serving, lock_holder, socket_home
 from ..plan.rules_file import load_rules_file
 from ..sources.location import default_model_name, is_remote, parse_s3_uri
 from ..transports.options import check_config
@@ -76,18 +76,29 @@ def _check_listeners(config: ServeConfig) -> None:
     address = parse_address(config.listen)
     if address.kind == "unix":  # a directory no socket may go in: refused here, unlogged
         address = Address("unix", path=socket_home(address.path, group=group)[0])
+        _check_not_taken(address.path)
     tls = read_tls(TlsFiles(config.tls.cert, config.tls.key, config.tls.client_ca))
     check_worker_listener(address, tls=tls is not None, insecure=config.insecure)
     admin = admin_address(config.admin.listen, address)
     if admin is not None:
         if admin.kind == "unix" and config.admin.listen is not None:
             socket_home(admin.path)
+        if admin.kind == "unix":
+            _check_not_taken(admin.path)
         check_admin_listener(admin, tls=tls, allowed=frozenset(config.admin.allow))
     if config.health.listen is not None:
         parse_address(config.health.listen)
     if config.metrics.listen is not None:
         host_port(config.metrics.listen)
     check_config(local_config(config), address.kind == "unix")
+
+
+def _check_not_taken(path: str) -> None:
+    """Another daemon on this socket is refused here, before the ``start`` line (the
+    daemon takes the lock itself when it binds: this is the early, unlogged answer)."""
+    holder = lock_holder(path + ".lock")
+    if holder is not None:
+        raise already_serving(holder, path)
 
 
 def _check_models(config: ServeConfig, where: str) -> None:

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import IO
 
 from weightd.common.addresses import Address, AddressError
 from weightd.common.addresses import parse_address as parse_any
 
 from ..base.cleanup import on_error
 from ..base.errors import ListenError
-from .sockets import remove_stale_socket, secure_directory, socket_home, take_lock
+from .sockets import (
+    SocketLock,
+    remove_stale_socket,
+    secure_directory,
+    socket_home,
+    take_lock,
+)
 
 __all__ = ["Address", "parse_address", "prepare_unix_socket", "settle_address"]
 
@@ -61,7 +66,7 @@ def settle_address(address: Address, *, group: bool = False) -> Address:
     return Address("unix", path=path)
 
 
-def prepare_unix_socket(path: str, *, group: bool = False) -> IO[str]:
+def prepare_unix_socket(path: str, *, group: bool = False) -> SocketLock:
     """Secure the socket's directory, take the socket's lock, clear a stale socket.
 
     Returns the open lock file, which must stay open for the daemon's lifetime. The

@@ -9,7 +9,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -55,6 +54,7 @@ from .collectors import (
 )
 from .prebuilding import prebuilder_for, prepare_at_start, register_host_memory
 from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
+from .sockets import SocketLock
 from .versioning import VersionCollector, create_versions, finish_versions
 
 log = logging.getLogger("weightd")
@@ -66,7 +66,7 @@ class Daemon:
     address: Address
     registry: ModelRegistry
     health: health.HealthServicer
-    lock: IO[str] | None
+    lock: SocketLock | None
     tracker: InflightTracker = field(default_factory=InflightTracker)
     metrics: Metrics | None = None
     metrics_server: MetricsServer | None = None
@@ -77,7 +77,7 @@ class Daemon:
     #: Reloads a served model atomically (SIGHUP, and the admin Reload RPC).
     reloader: Reloader | None = None
     watchdog: StreamWatchdog | None = None
-    locks: list[IO[str]] = field(default_factory=list)
+    locks: list[SocketLock] = field(default_factory=list)
 
     @property
     def grpc_servers(self) -> list[grpc.Server]:
@@ -230,7 +230,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         else None
     )
     bounds = StreamBounds(watchdog, server_config.max_workers, "worker")
-    locks: list[IO[str]] = []
+    locks: list[SocketLock] = []
     daemon: Daemon | None = None
 
     def undo() -> None:

@@ -195,8 +195,82 @@ def lock_problem(st: os.stat_result, uid: int) -> str | None:
     return None
 
 
-def take_lock(lock_path: str, socket_path: str) -> IO[str]:
+class SocketLock:
+    """The daemon's ``flock`` on ``<socket>.lock``, held for its life.
+
+    :meth:`close` removes the file (a clean exit leaves no lock behind), but only while
+    it still holds the lock and only the inode it locked; a daemon that locks a file
+    checks that it is still the one at the path, so two daemons can never each hold a
+    lock on a different inode of the same name.
+    """
+
+    def __init__(self, path: str, file: IO[str]) -> None:
+        self.path = path
+        self._file = file
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        try:
+            if _same_file(self.path, self._file.fileno()):
+                os.unlink(self.path)
+        except OSError:
+            pass  # removing it is a courtesy: the next daemon takes a lock left behind
+        finally:
+            self._file.close()
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        at_path = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino)
+
+
+#: Times a lock is taken again after its file was removed (by the daemon that held it,
+#: exiting) between our open and our flock.
+_LOCK_TRIES: Final = 5
+
+
+def lock_holder(lock_path: str) -> str | None:
+    """The pid held in ``lock_path`` while another process holds its lock, else None.
+
+    A dry run of :func:`take_lock` for ``weightd serve``'s checks before its first log
+    line; the daemon still takes the lock itself (the answer may be stale by then).
+    """
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # missing, or a problem take_lock names in its own words
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.read(fd, 64).decode("ascii", "replace").strip() or "unknown"
+        return None
+    finally:
+        os.close(fd)
+
+
+def already_serving(holder: str, socket_path: str) -> ListenError:
+    shown = holder if holder.isdigit() else repr(holder[:20])
+    return ListenError(f"another weightd (pid {shown}) is already serving on unix://{socket_path}")
+
+
+def take_lock(lock_path: str, socket_path: str) -> SocketLock:
     """Open, check and ``flock`` ``lock_path``; write our pid. Held for the daemon's life."""
+    for _ in range(_LOCK_TRIES):
+        lock = _lock_once(lock_path, socket_path)
+        if lock is not None:
+            return lock
+    raise ListenError(f"lock file {lock_path} keeps being replaced; refusing to use it")
+
+
+def _lock_once(lock_path: str, socket_path: str) -> SocketLock | None:
     try:
         fd = os.open(lock_path, _LOCK_FLAGS, 0o600)
     except OSError as exc:
@@ -211,10 +285,10 @@ def take_lock(lock_path: str, socket_path: str) -> IO[str]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = lock.read(64).strip() or "unknown"
-            raise ListenError(
-                f"another weightd (pid {holder}) is already serving on unix://{socket_path}"
-            ) from None
+            raise already_serving(lock.read(64).strip() or "unknown", socket_path) from None
+        if not _same_file(lock_path, fd):  # its holder removed it as it exited: again
+            lock.close()
+            return None
         lock.seek(0)
         lock.truncate()
         lock.write(f"{os.getpid()}\n")
@@ -222,7 +296,7 @@ def take_lock(lock_path: str, socket_path: str) -> IO[str]:
     except BaseException:
         lock.close()
         raise
-    return lock
+    return SocketLock(lock_path, lock)
 
 
 def restrict_socket(path: str, *, group: bool = False) -> None:
