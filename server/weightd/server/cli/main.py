@@ -1,4 +1,5 @@
-"""The ``weightd`` command line. Failures print one line, never a traceback.
+"""The ``weightd`` command line. Failures print one line, never a traceback; so does
+Ctrl-C, with status 130.
 
 This file registers every command, dispatches, and runs the local ones (``serve``,
 ``plan``, ``demo-checkpoint``); the commands that are clients of a running daemon
@@ -171,6 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     except BrokenPipeError:
         return _output_closed()
+    except KeyboardInterrupt:
+        # Ctrl-C: one line and the shell's status for it, never a traceback, and never
+        # a word against the input (nothing was found wrong with it).
+        print(f"weightd {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except explained as exc:
         print(f"weightd {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
         return 1

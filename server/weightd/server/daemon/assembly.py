@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -391,9 +392,13 @@ def load_models(
     named = _expect_models(daemon.registry, daemon.metrics, models)
     if daemon.reloader is not None:
         daemon.reloader.tables = tuple(tables)
+    cancel = threading.Event()  # set by a signal during start-up (load_independently)
+    options = dataclasses.replace(options or VerifyOptions(), cancel=cancel)
 
     def load(name: str, source: str) -> LoadedModel:
-        model = load_source(source, name, daemon.metrics, tables, options, daemon.resolver)[0]
+        model = load_source(source, name, daemon.metrics, tables, options, daemon.resolver, cancel)[
+            0
+        ]
         prepare_at_start(daemon.prebuilder, model)  # declared layouts' packs, before SERVING
         return model
 
@@ -404,7 +409,7 @@ def load_models(
         while thread.is_alive():  # short waits: a signal's handler runs between them
             thread.join(0.2)
 
-    failures = load_independently(daemon.registry, named, load, publish, wait)
+    failures = load_independently(daemon.registry, named, load, publish, wait, cancel)
     if failures and len(failures) == len(named):
         raise failures[0][1]
 
@@ -412,7 +417,8 @@ def load_models(
 def serve(config: ServeConfig) -> int:
     """Run until SIGTERM/SIGINT, then drain; a second signal aborts in-flight RPCs at once.
 
-    Exit status: 0 after a drain (or a signal during start-up), 1 when aborted.
+    Exit status: 0 after a drain, 1 when aborted; 128 + the signal's number (130 for
+    Ctrl-C) when a signal stops start-up, so ``weightd serve ... && next`` stops too.
     """
     tables = [load_rules_file(path) for path in config.rules]  # bad file: fail first
     signals = lifecycle.Signals.install()
@@ -430,8 +436,9 @@ def serve(config: ServeConfig) -> int:
             load_models(daemon, models, tables, build.verify_options(config))
             signals.started()  # inside the block: a signal just before this still stops cleanly
     except lifecycle.ShutdownRequested as stop:
-        logs.event("exit", status=0, reason=f"signal {stop.signum} during start-up")
-        return 0
+        status = 128 + stop.signum
+        logs.event("exit", status=status, reason=f"signal {stop.signum} during start-up")
+        return status
     reloader = daemon.reloader
     if reloader is not None:
 

@@ -4,7 +4,7 @@ SIGTERM (or SIGINT) once: health turns NOT_SERVING, every listener refuses new R
 RPCs in flight get up to the grace period to finish, then whatever is left (health
 ``Watch`` streams, stragglers) is cancelled and the daemon exits 0. A second signal
 cancels everything at once and the daemon exits 1. A signal while models are still
-being verified stops start-up at once (nothing is served yet): exit 0.
+being verified stops start-up at once (nothing is served yet): exit 128 + the signal.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ from .models import LoadedModel, ModelRegistry, load_model
 
 log = logging.getLogger("weightd")
 
+#: How long cancelled loads get to stop (hashing stops within a block) before start-up
+#: ends without them.
+CANCEL_SECONDS = 10.0
+
 
 def load_observed(
     directory: str,
@@ -50,7 +54,8 @@ def load_observed(
     try:
         model = load_model(directory, name, tables, options=options)
     except BaseException as exc:
-        if not isinstance(exc, Exception):
+        cancelled = options is not None and options.cancel is not None and options.cancel.is_set()
+        if not isinstance(exc, Exception) or cancelled:
             raise  # a signal stopping start-up, or the interpreter exiting: a cancel
         seconds = time.monotonic() - started
         reason = failure_reason(exc)
@@ -117,6 +122,7 @@ def load_independently(
     load: Callable[[str, str], LoadedModel],
     publish: Callable[[LoadedModel], None],
     wait: Callable[[threading.Thread], None] = lambda t: t.join(),
+    cancel: threading.Event | None = None,
 ) -> list[tuple[str, BaseException]]:
     """Load every ``(name, source)`` on a thread of its own and publish each as soon as it
     verifies: one slow or failing model never delays another (a local model serves while
@@ -124,6 +130,10 @@ def load_independently(
     ``registry`` (the others serve; a reload retries it). Returns once every model has
     settled, with the failures in the order given; ``wait(thread)`` joins one loader
     (the daemon's waits in short steps, so a signal stops start-up promptly).
+
+    Whatever ends a wait early (a signal stopping start-up) sets ``cancel``, which the
+    loads watch, and gives them :data:`CANCEL_SECONDS` to stop before it propagates: a
+    load that ends because it was cancelled is no failure and is not reported as one.
     """
     failures: dict[str, BaseException] = {}
 
@@ -131,6 +141,8 @@ def load_independently(
         try:
             publish(load(name, source))
         except BaseException as exc:
+            if cancel is not None and cancel.is_set():
+                return  # stopped by the cancel, not by anything wrong with the model
             failures[name] = exc
             registry.fail(name, str(exc) if isinstance(exc, WeightdError) else repr(exc)[:200])
             if isinstance(exc, Exception) and not isinstance(exc, WeightdError):
@@ -148,8 +160,16 @@ def load_independently(
     ]
     for t in threads:
         t.start()
-    for t in threads:
-        wait(t)
+    try:
+        for t in threads:
+            wait(t)
+    except BaseException:
+        if cancel is not None:
+            cancel.set()
+            deadline = time.monotonic() + CANCEL_SECONDS
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+        raise
     return [(n, failures[n]) for n, _ in named if n in failures]
 
 

@@ -141,6 +141,18 @@ class Progress:
             self.on_advance(done, self.total)
 
 
+class _Either(threading.Event):
+    """Set by this pass (a shard failed) or by its caller's ``cancel``; setting it never
+    sets the caller's event."""
+
+    def __init__(self, cancel: threading.Event) -> None:
+        super().__init__()
+        self._cancel = cancel
+
+    def is_set(self) -> bool:
+        return super().is_set() or self._cancel.is_set()
+
+
 class HashingStopped(Exception):
     """A shard's hashing stopped because the whole pass was given up (see :func:`hash_shards`)."""
 
@@ -225,6 +237,8 @@ def hash_shards(
     threads: int | None = None,
     progress: Progress | None = None,
     block_bytes: int = BLOCK_BYTES,
+    *,
+    cancel: threading.Event | None = None,
 ) -> dict[str, ShardDigests]:
     """:func:`hash_shard` for every job, ``threads`` shards at a time (default: cores).
 
@@ -233,13 +247,14 @@ def hash_shards(
     Anything that ends the wait early (a shard's error, a signal raised in this thread
     to stop start-up) stops the whole pass within a block: shards not started are
     dropped and those hashing stop, so a Ctrl-C is not followed by minutes of hashing
-    (and a progress bar drawn on to 100 %) before the daemon exits.
+    (and a progress bar drawn on to 100 %) before the daemon exits. ``cancel`` does the
+    same from another thread (the pass then raises :class:`HashingStopped`).
     """
     if not jobs:
         return {}
     workers = max(1, min(threads or os.cpu_count() or 1, len(jobs)))
     ordered = sorted(jobs, key=lambda j: -j.size)
-    stop = threading.Event()
+    stop = threading.Event() if cancel is None else _Either(cancel)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="weightd-hash")
     try:
         futures = {

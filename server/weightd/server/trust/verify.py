@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,6 +76,10 @@ class VerifyOptions:
     #: Hash at all. False: every check but the digests (trust files, structure, layout),
     #: which ``weightd serve`` runs before its first log line; the digests come after.
     digests: bool = True
+    #: Once set, hashing stops within a block (:class:`~.hashing.HashingStopped`): the
+    #: daemon sets it when a signal stops start-up, whose loads run on threads of their
+    #: own that the signal does not reach.
+    cancel: threading.Event | None = field(default=None, compare=False)
 
     def manifest_for(self, name: str) -> str | None:
         return self.manifests.get(name) or self.manifests.get("")
@@ -285,7 +290,7 @@ def _digests(
     progress = Progress(total, reporter.advance if reporter else None)
     started = time.monotonic()
     with closing(reporter.close if reporter else lambda: None, "the progress line"):
-        hashed = hash_shards(jobs, options.threads, progress)
+        hashed = hash_shards(jobs, options.threads, progress, cancel=options.cancel)
     v.hash_seconds = time.monotonic() - started
     v.hashed_bytes = total
     out.update(hashed)
