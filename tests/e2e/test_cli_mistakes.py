@@ -149,3 +149,19 @@ def test_a_client_given_a_regular_file_is_told_it_is_no_socket(tmp_path: Path) -
     (line,) = done.stderr.splitlines()
     assert f"{path} is a regular file, not a socket" in line, line
     assert "nothing listens" not in line
+
+
+def test_the_vllm_loaders_refusal_finds_where_the_served_version_was_read(
+    tmp_path: Path,
+) -> None:
+    """What an identity refusal names (issue 48, point 4), asked of a real daemon: the
+    version it serves and the directory that version was read from."""
+    from weightd.client import WeightClient
+    from weightd.server.cli.demo import ensure_demo_checkpoint
+    from weightd.vllm.loader.model_loader import _source
+
+    model = Path(ensure_demo_checkpoint(str(tmp_path / "demo-cache")))
+    with run_daemon(tmp_path, [("demo", model)]) as daemon, WeightClient(daemon.target) as client:
+        desc = client.describe("demo")
+        assert desc.version >= 1
+        assert _source(client, desc) == str(model)

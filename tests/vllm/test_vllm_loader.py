@@ -105,15 +105,17 @@ def test_a_wrong_checkpoint_a_daemon_down_and_an_unknown_model_are_refused(
     [other] = checks["other_checkpoint"]
     assert other["error"].startswith(
         f"WeightdLoadError: weightd at {daemon.target}, model 'qwen2', layout tp 0/1: the "
-        "daemon's model 'qwen2' is not the checkpoint in "
+        "daemon's model 'qwen2' (version 1, read from "
     )
+    assert ") is not the checkpoint in " in other["error"]
+    assert "Start the engine from the directory the daemon serves now" in other["error"]
     assert "config.json: sha256 " in other["error"]
     assert " in the model directory, sha256 " in other["error"]
     # A fine-tune of the same base: config, index and shard sizes equal, weights not.
     [finetune] = checks["finetune"]
     assert finetune["error"].startswith(
         f"WeightdLoadError: weightd at {daemon.target}, model 'llama_ft', layout tp 0/1: the "
-        "daemon's model 'llama_ft' is not the checkpoint in "
+        "daemon's model 'llama_ft' (version 1, read from "
     )
     assert "config.json" not in finetune["error"]  # the same config and index
     assert ".safetensors: sampled tensor bytes hash to edges4k-sha256:" in finetune["error"]

@@ -221,3 +221,26 @@ def test_the_loader_refuses_unproven_shards_unless_the_operator_opts_out(
     # The opt-out covers what cannot be checked, never what was found to differ.
     with pytest.raises(WeightdLoadError, match="sampled tensor bytes hash to"):
         check_identity(base, _described(finetune), warn, "here")
+
+
+def test_a_refusal_names_the_version_and_the_directory_the_daemon_serves(
+    pair: tuple[Path, Path],
+) -> None:
+    """After a publish the daemon serves another directory: an engine started on the
+    original is refused, and told which version and directory it should have started
+    from (issue 48, point 4)."""
+    from weightd.vllm.errors import WeightdLoadError
+    from weightd.vllm.loader.model_loader import check_identity
+    from weightd.vllm.loader.options import parse_options
+
+    base, finetune = pair
+    published = dataclasses.replace(_described(finetune), version=3)
+    options = parse_options({"target": "unix:///x"})
+    with pytest.raises(WeightdLoadError) as err:
+        check_identity(base, published, options, "here", lambda: "/ckpt/published-v3")
+    message = str(err.value)
+    assert f"(version 3, read from /ckpt/published-v3) is not the checkpoint in {base}" in message
+    assert "Start the engine from the directory the daemon serves now" in message
+    with pytest.raises(WeightdLoadError) as err:  # a daemon that does not say where
+        check_identity(base, published, options, "here")
+    assert "(version 3) is not the checkpoint in" in str(err.value)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,23 +74,53 @@ def _why(exc: WeightdError) -> str:
     return exc.reason or type(exc).__name__
 
 
+def _source(client: WeightClient, desc: ModelDescription) -> str:
+    """Where the daemon read ``desc``'s version from ("" when it does not say): the
+    first event of a version watch is the model's current version, with its source."""
+    try:
+        with client.watch_versions(desc.name, timeout=10) as watch:
+            for event in watch:
+                info = event.info
+                if info.version != desc.version:
+                    return ""  # published again since the describe: no stale answer
+                shown = info.source
+                return shown if shown.isprintable() and len(shown) <= 400 else repr(shown[:400])
+    except WeightdError:
+        pass  # a daemon that predates versions: the message names what it can
+    return ""
+
+
 def _where(options: LoaderOptions, layout: Layout) -> str:
     return f"weightd at {options.target}, model {options.model_label}, layout {layout.describe()}"
 
 
 def check_identity(
-    directory: Path, desc: ModelDescription, options: LoaderOptions, where: str
+    directory: Path,
+    desc: ModelDescription,
+    options: LoaderOptions,
+    where: str,
+    served_from: Callable[[], str] = lambda: "",
 ) -> dict[str, str]:
     """Refuse a daemon serving another checkpoint; how each shard was proven.
+
+    A refusal names the version the daemon serves and, when ``served_from()`` knows it,
+    the directory it was read from: after a ``Publish`` (an RL update) the daemon serves
+    a new directory, and an engine started on the original one is refused, rightly; the
+    message says where to start it from instead.
 
     A shard nothing can prove (a daemon that sends no identity for it) is refused too,
     unless the operator opted out (``identity: "warn"``): then a WARNING names it.
     """
     found = compare_files(directory, desc)
     if found.differences:
+        source = served_from()
+        served = f"version {desc.version}" + (f", read from {source}" if source else "")
         raise WeightdLoadError(
-            f"{where}: the daemon's model {desc.name!r} is not the checkpoint in "
-            f"{directory}: " + "; ".join(str(d) for d in found.differences)
+            f"{where}: the daemon's model {desc.name!r} ({served}) is not the checkpoint in "
+            f"{directory}: " + "; ".join(str(d) for d in found.differences) + ". Start the "
+            "engine from the directory the daemon serves now (after a publish, the latest "
+            "published one), or from a directory holding only its config.json and "
+            "tokenizer (the weights then come from weightd alone)"
         )
     proven = dict(found.proven)
     if found.unchecked:
@@ -121,7 +152,9 @@ def load_from_weightd(
     try:
         with WeightClient(options.target, timeout=options.timeout) as client:
             desc = client.describe(options.model)
-            identity = check_identity(Path(model_config.model), desc, options, where)
+            identity = check_identity(
+                Path(model_config.model), desc, options, where, lambda: _source(client, desc)
+            )
             weights, report = fetch_share(client, desc, layout, model, transport=options.transport)
             report.target = options.target
             report.identity = identity
