@@ -132,6 +132,7 @@ PY
 # --progress never: the daemon logs to the same terminal, and its lines would land in
 # the middle of a progress line redrawn in place.
 weightd fetch "$target" --rank 0 --world-size 4 --out "$out" --progress never
+echo "  ($(dirname "$out") is the demo's own directory, removed when the demo stops)"
 if [ "${1:-}" = "--once" ]; then
   exit 0
 fi
