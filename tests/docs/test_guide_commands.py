@@ -324,7 +324,7 @@ def place(tmp_path_factory: pytest.TempPathFactory, demo_checkpoint: Path) -> Pl
     bin_dir = str(Path(sys.executable).parent)
     env = dict(os.environ)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    env["WEIGHTD_CACHE_DIR"] = str(demo_checkpoint.parent.parent)
+    env["WEIGHTD_CACHE_DIR"] = str(demo_checkpoint.parents[2])  # DIR/demo/v1/llama-demo
     env["PYTHONPATH"] = str(ROOT)
     env.pop("WEIGHTD_CONFIG", None)
     # The default socket of this "machine": commands that name no address (`weightd
