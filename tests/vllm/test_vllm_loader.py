@@ -117,7 +117,7 @@ def test_a_wrong_checkpoint_a_daemon_down_and_an_unknown_model_are_refused(
         f"WeightdLoadError: weightd at {daemon.target}, model 'llama_ft', layout tp 0/1: the "
         "daemon's model 'llama_ft' (version 1, read from "
     )
-    assert "config.json" not in finetune["error"]  # the same config and index
+    assert "config.json: " not in finetune["error"]  # the same config and index
     assert ".safetensors: sampled tensor bytes hash to edges4k-sha256:" in finetune["error"]
     [down] = checks["daemon_down"]
     assert down["error"].startswith(
