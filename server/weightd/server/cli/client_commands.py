@@ -229,7 +229,8 @@ def run_list(args: argparse.Namespace) -> int:
                 state = f"{m.state}: {m.reason}"
             size = f"{m.num_tensors} tensors\t{m.total_bytes} bytes"
             version = f"\tversion {m.version}" if m.version else ""
-            print(f"{m.name}\t{m.architecture}\t{size}\t{state}{version}")
+            trust = f"\ttrust {m.trust_root or 'digests at load only'}" if m.ready else ""
+            print(f"{m.name}\t{m.architecture}\t{size}\t{state}{version}{trust}")
     return 0
 
 

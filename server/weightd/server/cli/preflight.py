@@ -30,6 +30,7 @@ from ..plan.rules_file import load_rules_file
 from ..sources.location import default_model_name, is_remote, parse_s3_uri
 from ..transports.options import check_config
 from ..trust.manifest import MAX_MANIFEST_BYTES, parse_manifest
+from ..trust.oms import check_chain_file, is_ec_key, read_signature_file
 from ..trust.signing import load_public_key
 from ..trust.verify import first_problem, read_operator_file, verify_checkpoint
 
@@ -46,7 +47,15 @@ def check_serve(loaded: Loaded) -> None:
         load_rules_file(path)  # its errors name the file and the rule, as serve's did
     with _flag(loaded.where("trust.trust_key")):
         for path in config.trust.trust_key:
-            load_public_key(path)
+            if not is_ec_key(path):  # an EC key checks OMS signatures (trust/oms.py)
+                load_public_key(path)
+    with _flag(loaded.where("trust.trust_chain")):
+        for path in config.trust.trust_chain:
+            check_chain_file(path)
+    with _flag(loaded.where("trust.signature")):
+        for path in config.signatures().values():
+            if not is_remote(path):  # an s3:// one: read by the source resolver
+                read_signature_file(path)
     with _flag(loaded.where("trust.manifest")):
         for path in config.manifests().values():
             if is_remote(path):

@@ -20,9 +20,16 @@ if TYPE_CHECKING:  # the verify stack (blake3, cryptography) loads only when use
 MAX_PRINTED_PROBLEMS: Final = 100
 
 
-def _check_trust_args(manifests: dict[str, str], keys: list[str], hf: bool) -> None:
-    if keys and not manifests:
-        raise UsageError("--trust-key needs --manifest (the key signs a manifest)")
+def _check_trust_args(args: argparse.Namespace) -> None:
+    if args.trust_key and not (args.manifest or args.signature):
+        raise UsageError("--trust-key needs --manifest or --signature (the key signs one)")
+    if args.signature and not (args.trust_key or args.trust_chain):
+        raise UsageError(
+            "--signature needs --trust-key (EC public key) or --trust-chain (CA "
+            "certificates): a signature proves origin only against a key or CA you name"
+        )
+    if args.trust_chain and not args.signature:
+        raise UsageError("--trust-chain needs --signature (the CA vouches for its signer)")
 
 
 # --- weightd verify --------------------------------------------------------------------
@@ -34,7 +41,26 @@ def add_parsers(sub: Any) -> None:
     )
     v.add_argument("directory")
     v.add_argument("--manifest", default=None, help="trusted manifest the checkpoint must match")
-    v.add_argument("--trust-key", action="append", default=[], metavar="PUBKEY")
+    v.add_argument(
+        "--signature",
+        default=None,
+        metavar="FILE",
+        help="OpenSSF Model Signing signature (`model_signing sign`) the directory must match",
+    )
+    v.add_argument(
+        "--trust-key",
+        action="append",
+        default=[],
+        metavar="PUBKEY",
+        help="public key (PEM): Ed25519 for a manifest, EC for an OMS signature",
+    )
+    v.add_argument(
+        "--trust-chain",
+        action="append",
+        default=[],
+        metavar="PEM",
+        help="CA certificates an OMS certificate signature must chain to",
+    )
     v.add_argument("--trust-hf-cache", action="store_true")
     v.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     v.add_argument("--hash-threads", type=int, default=None)
@@ -79,6 +105,13 @@ def _report_text(v: Verification, trust_given: bool) -> list[str]:
         )
         for name in sorted(v.files):
             lines.append(f"             {v.files[name].sha256}  {name}")
+    unread = {n: d for n, d in v.signed_files.items() if n not in v.files}
+    if unread:
+        lines.append(
+            f"  signed     {count(len(v.signed_files), 'file')} match the OMS signature; "
+            "besides those above, not read by weightd:"
+        )
+        lines.extend(f"             {d}  {n}" for n, d in sorted(unread.items()))
     for t in v.trust:
         lines.append(f"  trust      {t}")
     if not v.trust and trust_given:
@@ -105,10 +138,12 @@ def run_verify(args: argparse.Namespace) -> int:
     from ..trust.verify import VerifyOptions, verify_checkpoint
 
     manifests = {"": args.manifest} if args.manifest else {}
-    _check_trust_args(manifests, args.trust_key, args.trust_hf_cache)
+    _check_trust_args(args)
     options = VerifyOptions(
         manifests=manifests,
         trust_keys=tuple(args.trust_key),
+        signatures={"": args.signature} if args.signature else {},
+        trust_chains=tuple(args.trust_chain),
         trust_hf_cache=args.trust_hf_cache,
         threads=args.hash_threads,
         progress=not args.json,
@@ -124,6 +159,8 @@ def run_verify(args: argparse.Namespace) -> int:
                 "problems": [_problem_record(p) for p in v.problems],
                 "notes": v.notes,
                 "trust": v.trust,
+                "trust_root": v.trust_root,
+                "signed_files": v.signed_files,
                 "files": {n: {"size": f.size, "sha256": f.sha256} for n, f in v.files.items()},
                 "tensors": v.tensor_digests,
                 "hashed_bytes": v.hashed_bytes,
@@ -131,7 +168,7 @@ def run_verify(args: argparse.Namespace) -> int:
             }
             print(json.dumps(doc, indent=1, sort_keys=True))
         else:
-            given = bool(args.manifest or args.trust_key or args.trust_hf_cache)
+            given = bool(args.manifest or args.signature or args.trust_key or args.trust_hf_cache)
             print("\n".join(_report_text(v, given)))
     finally:
         v.store.close()

@@ -33,6 +33,8 @@ def verify_options(config: ServeConfig) -> VerifyOptions:
     return VerifyOptions(
         manifests=config.manifests(),
         trust_keys=trust.trust_key,
+        signatures=config.signatures(),
+        trust_chains=trust.trust_chain,
         trust_hf_cache=trust.trust_hf_cache,
         hash_cache_dir=hashes if trust.hash_cache else None,
         reverify=trust.reverify,

@@ -22,11 +22,11 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..base.cleanup import closing
-from ..base.errors import CheckpointError, ManifestSyntaxError, WeightdError
+from ..base.errors import CheckpointError, KeyFileError, ManifestSyntaxError, WeightdError
 from ..base.readfile import ReadRefused, read_bounded
 from ..base.words import count
 from ..checkpoint.config_check import check_layout
@@ -46,6 +46,14 @@ from .hfcache import (
     snapshot_of,
 )
 from .manifest import MAX_MANIFEST_BYTES, FileDigest, Manifest, compare, parse_manifest
+from .oms import (
+    OmsStatement,
+    compare_directory,
+    describe,
+    is_ec_key,
+    load_signature,
+    read_signature_file,
+)
 from .signing import TrustedKey, check_signature, load_public_key
 
 log = logging.getLogger("weightd.verify")
@@ -58,7 +66,12 @@ class VerifyOptions:
     #: Manifest per model name ("" applies to any model without its own).
     manifests: Mapping[str, str] = field(default_factory=dict)
     #: Public keys (files) a manifest must be signed by; empty: signatures not required.
+    #: EC keys among them check OMS signatures, Ed25519 ones weightd manifests.
     trust_keys: tuple[str, ...] = ()
+    #: OMS signature (``model_signing sign``) per model name ("" as for manifests).
+    signatures: Mapping[str, str] = field(default_factory=dict)
+    #: CA certificates (PEM files) an OMS ``certificate`` signature must chain to.
+    trust_chains: tuple[str, ...] = ()
     #: Require the checkpoint to be a Hugging Face cache snapshot whose blob names match.
     trust_hf_cache: bool = False
     #: Directory of the hash cache; None: no cache.
@@ -75,9 +88,15 @@ class VerifyOptions:
     #: Hash at all. False: every check but the digests (trust files, structure, layout),
     #: which ``weightd serve`` runs before its first log line; the digests come after.
     digests: bool = True
+    #: The trust root reported when no source above proved the version (a remote one
+    #: served with ``--trust-object-store``: "object-store").
+    fallback_root: str = ""
 
     def manifest_for(self, name: str) -> str | None:
         return self.manifests.get(name) or self.manifests.get("")
+
+    def signature_for(self, name: str) -> str | None:
+        return self.signatures.get(name) or self.signatures.get("")
 
 
 @dataclass
@@ -96,6 +115,12 @@ class Verification:
     hashed_bytes: int = 0
     hash_seconds: float = 0.0
     trust: list[str] = field(default_factory=list)  # what the checkpoint was checked against
+    #: The trust root that proved the version, short (DescribeModel, metrics, list):
+    #: "oms-key:sha256:...", "oms-certificate:CN=...", "manifest:ed25519:...",
+    #: "manifest-unsigned", "hf-cache", "" (only the digests computed at load).
+    trust_root: str = ""
+    #: Every file an OMS signature pins, with the SHA-256 it was found to have.
+    signed_files: dict[str, str] = field(default_factory=dict)
     config_summary: str = ""  # what the config check covered
 
     @property
@@ -121,35 +146,62 @@ def read_operator_file(path: str, limit: int, error: type[CheckpointError]) -> b
         raise error(path, exc.reason) from None
 
 
-def _prepare_trust(
-    v: Verification, options: VerifyOptions
-) -> tuple[Manifest | None, Snapshot | None, bool]:
-    """Load the manifest (signature checked) and the snapshot. False: trust failed."""
+def manifest_keys(paths: Sequence[str]) -> list[TrustedKey]:
+    """The Ed25519 keys among ``--trust-key`` (the EC ones are for OMS signatures)."""
+    return [load_public_key(k) for k in paths if not is_ec_key(k)]
+
+
+@dataclass
+class _Trust:
+    """The trust sources, loaded and checked before anything is hashed."""
+
+    manifest: Manifest | None = None
+    snapshot: Snapshot | None = None
+    oms: OmsStatement | None = None
+    ok: bool = True
+
+
+def _prepare_trust(v: Verification, options: VerifyOptions) -> _Trust:
+    """Load the manifest (signature checked), the OMS signature (verified) and the
+    snapshot. ``ok`` False: trust failed."""
     manifest_path = options.manifest_for(v.name)
-    manifest = None
-    snapshot = None
+    signature_path = options.signature_for(v.name)
+    t = _Trust()
     try:
-        keys: list[TrustedKey] = [load_public_key(k) for k in options.trust_keys]
+        keys = manifest_keys(options.trust_keys) if manifest_path is not None else []
         if manifest_path is not None:
             raw = read_operator_file(manifest_path, MAX_MANIFEST_BYTES, ManifestSyntaxError)
-            manifest = parse_manifest(manifest_path, raw)
+            t.manifest = parse_manifest(manifest_path, raw)
             if keys:
-                signer = check_signature(manifest, keys)
+                signer = check_signature(t.manifest, keys)
                 v.trust.append(
                     f"manifest {manifest_path}, signed by {signer.key_id} ({signer.path})"
+                )
+                v.trust_root = f"manifest:{signer.key_id}"
+            elif options.trust_keys:
+                raise KeyFileError(
+                    options.trust_keys[0],
+                    "no --trust-key is an Ed25519 key, which a weightd manifest is signed with",
                 )
             else:
                 v.trust.append(f"manifest {manifest_path} (signature not checked: no --trust-key)")
                 v.notes.append(
                     "the manifest's signature was not checked: it proves integrity, not origin"
                 )
+                v.trust_root = "manifest-unsigned"
+        if signature_path is not None:
+            raw = read_signature_file(signature_path)
+            t.oms = load_signature(signature_path, raw, options.trust_keys, options.trust_chains)
+            v.trust.append(describe(t.oms))
+            v.trust_root = t.oms.root
         if options.trust_hf_cache:
-            snapshot = snapshot_of(v.root)
-            v.trust.append(f"Hugging Face cache blobs of {snapshot.repo} @ {snapshot.revision}")
+            t.snapshot = snapshot_of(v.root)
+            v.trust.append(f"Hugging Face cache blobs of {t.snapshot.repo} @ {t.snapshot.revision}")
+            v.trust_root = v.trust_root or "hf-cache"
     except CheckpointError as exc:
         v.problems.append(exc)
-        return None, None, False
-    return manifest, snapshot, True
+        t.ok = False
+    return t
 
 
 def verify_checkpoint(
@@ -164,7 +216,8 @@ def verify_checkpoint(
     model_name = name or os.path.basename(root)
     placeholder = ShardStore(root)
     v = Verification(root, model_name, placeholder, None, [])
-    manifest, snapshot, trusted = _prepare_trust(v, options)
+    t = _prepare_trust(v, options)
+    manifest, snapshot, trusted = t.manifest, t.snapshot, t.ok
     directory = None
     if snapshot is not None:
         try:
@@ -199,7 +252,7 @@ def verify_checkpoint(
         return v
     need_sha256 = options.file_sha256
     if need_sha256 is None:
-        need_sha256 = manifest is not None or snapshot is not None
+        need_sha256 = manifest is not None or snapshot is not None or t.oms is not None
     try:
         shard_digests = _digests(v, ckpt, scan.store, options, snapshot is not None, need_sha256)
     except WeightdError as exc:  # a shard changed or shrank while it was read
@@ -213,6 +266,8 @@ def verify_checkpoint(
         v.files[small.name] = FileDigest(small.size, small.sha256)
     if manifest is not None:
         v.problems.extend(compare(manifest, ckpt, v.files, v.tensor_digests))
+    if t.oms is not None:
+        v.problems.extend(compare_directory(t.oms, root, v.files, v.signed_files))
     if snapshot is not None:
         hashed = {
             s: HashedFile(scan.store.shard(s).real_path, d.sha256, d.git_sha1)
@@ -225,6 +280,7 @@ def verify_checkpoint(
         v.checkpoint = None
     else:
         v.checkpoint = ckpt
+        v.trust_root = v.trust_root or options.fallback_root
     return v
 
 
