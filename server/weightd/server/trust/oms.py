@@ -206,18 +206,24 @@ def _verify_certificate(
     if leaf.not_valid_after_utc < now:
         raise UntrustedKeyError(
             origin,
-            f"signing certificate {echo(leaf.subject.rfc4514_string())} expired on "
+            f"signing certificate {_plain(leaf.subject.rfc4514_string())} expired on "
             f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC",
         )
     if leaf.not_valid_before_utc > now:
         raise UntrustedKeyError(
             origin,
-            f"signing certificate {echo(leaf.subject.rfc4514_string())} is not valid before "
+            f"signing certificate {_plain(leaf.subject.rfc4514_string())} is not valid before "
             f"{leaf.not_valid_before_utc:%Y-%m-%d %H:%M} UTC",
         )
-    subject = echo(leaf.subject.rfc4514_string())
-    issuer = echo(leaf.issuer.rfc4514_string())
+    subject = _plain(leaf.subject.rfc4514_string())
+    issuer = _plain(leaf.issuer.rfc4514_string())
     return manifest, f"certificate {subject}, issued by {issuer}", f"oms-certificate:{subject}"
+
+
+def _plain(name: str) -> str:
+    """A certificate name as it reads (``CN=...``) when it holds no control, bidi or
+    other invisible character and is short; else escaped as every outside string is."""
+    return name if name.isprintable() and len(name) <= 200 else echo(name)
 
 
 def _fingerprint(path: str) -> str:
@@ -376,14 +382,17 @@ def compare_files(
     with their SHA-256 when known ("" when not yet). One problem per file."""
     problems: list[WeightdError] = []
     listed = {n for n in present if not statement.ignored(n)}
+    missing = sorted(set(statement.files) - listed)
+    # A renamed file is one extra and one missing: the first line names both.
+    gone = f"; signed but missing: {', '.join(missing[:3])}" if missing else ""
     for name in sorted(listed - set(statement.files)):
         problems.append(
             ManifestMismatchError(
                 f"{where}/{name}",
-                f"is not in OMS signature {statement.origin} (an extra or renamed file)",
+                f"is not in OMS signature {statement.origin} (an extra or renamed file{gone})",
             )
         )
-    for name in sorted(set(statement.files) - listed):
+    for name in missing:
         problems.append(
             ManifestMismatchError(
                 f"{where}/{name}",
