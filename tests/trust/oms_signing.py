@@ -16,7 +16,9 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from tests.ops.pki import _ca, _name, _write
 
 
 def model_signing(*args: str) -> subprocess.CompletedProcess[str]:
@@ -67,78 +69,34 @@ class SigningCa:
     leaf_key: Path
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
 def make_ca(
     directory: Path, cn: str = "weightd test CA", *, expired_leaf: bool = False
 ) -> SigningCa:
-    """A private CA and a code-signing leaf it issued (valid now, or expired an hour
-    ago with ``expired_leaf``)."""
+    """A private CA (``tests/ops/pki.py``'s) and a code-signing leaf it issued: valid
+    now, or with ``expired_leaf`` valid for three minutes that ended a minute ago (after
+    the CA's own start, so only its expiry is wrong)."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(_name(cn))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=10))
-        .not_valid_after(now + datetime.timedelta(days=10))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
+    ca_cert, ca_key = _ca(cn)
     leaf_key = ec.generate_private_key(ec.SECP256R1())
-    start = now - datetime.timedelta(days=2) if expired_leaf else now - datetime.timedelta(hours=1)
-    end = now - datetime.timedelta(hours=1) if expired_leaf else now + datetime.timedelta(days=1)
+    start = now - datetime.timedelta(minutes=4)
+    end = now - datetime.timedelta(minutes=1) if expired_leaf else now + datetime.timedelta(days=1)
     leaf = (
         x509.CertificateBuilder()
         .subject_name(_name("model-publisher@example.test"))
-        .issuer_name(_name(cn))
+        .issuer_name(ca_cert.subject)
         .public_key(leaf_key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CODE_SIGNING]), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    out = SigningCa(directory / "ca.crt", directory / "leaf.crt", directory / "leaf.key")
-    out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    out.leaf_cert.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    out.leaf_key.write_bytes(_pem_private(leaf_key))
-    out.leaf_key.chmod(0o600)
-    return out
+    ca_path = directory / "ca.crt"
+    ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    pair = _write(directory / "leaf", leaf, leaf_key)
+    return SigningCa(ca_path, pair.cert, pair.key)
 
 
 def sign_certificate(model: Path, ca: SigningCa, signature: Path) -> Path:
