@@ -419,6 +419,14 @@ class AdapterSection(Section):
         "expected_digest says for an operator's load); repeatable",
         metavar="NAME=sha256:HEX",
     )
+    signature: tuple[Named, ...] = setting(
+        (),
+        Items(Parsed(parse_named, "NAME=FILE")),
+        "OpenSSF Model Signing signature an adapter loaded under NAME must match (a "
+        "local file or an s3:// object; checked with a trust-key or trust-chain; it then "
+        "vouches for the adapter as a pinned digest does); repeatable",
+        metavar="NAME=FILE",
+    )
     autoload_trust_roots: bool = setting(
         False,
         Flag(),
@@ -429,6 +437,10 @@ class AdapterSection(Section):
     def digests(self) -> dict[str, str]:
         """Pinned digest per adapter name."""
         return {d.name or "": d.value for d in self.digest}
+
+    def signatures(self) -> dict[str, str]:
+        """OMS signature per adapter name."""
+        return {d.name or "": d.value for d in self.signature}
 
 
 @dataclass
@@ -572,7 +584,10 @@ class ServeConfig:
             out.append(
                 ("trust.signature", "name the model (NAME=FILE) when serving several models")
             )
-        if signatures and not (self.trust.trust_key or self.trust.trust_chain):
+        adapter_signed = self.adapters.signatures()
+        if "" in adapter_signed:
+            out.append(("adapters.signature", "name the adapter: NAME=FILE"))
+        if (signatures or adapter_signed) and not (self.trust.trust_key or self.trust.trust_chain):
             out.append(
                 (
                     "trust.signature",
@@ -580,9 +595,9 @@ class ServeConfig:
                     "against a key or CA you name)",
                 )
             )
-        if self.trust.trust_key and not manifests and not signatures:
+        if self.trust.trust_key and not manifests and not signatures and not adapter_signed:
             out.append(("trust.trust_key", "needs a manifest or signature (the key signs one)"))
-        if self.trust.trust_chain and not signatures:
+        if self.trust.trust_chain and not signatures and not adapter_signed:
             out.append(("trust.trust_chain", "needs a signature (the CA vouches for its signer)"))
         pinned = [d.name for d in self.adapters.digest]
         if len(set(pinned)) != len(pinned):

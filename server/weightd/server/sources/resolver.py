@@ -292,7 +292,7 @@ class SourceResolver:
     def _resolve_model(self, name: str, source: str, cancel: threading.Event | None) -> Resolved:
         found = self._manifest(name, source, cancel)
         manifest = found.manifest if found is not None else None
-        oms = self._signature(name, cancel)
+        oms = self.signature(name, cancel=cancel)
         options = self.verify
         if manifest is not None:
             options = dataclasses.replace(
@@ -335,13 +335,16 @@ class SourceResolver:
         )
         return Resolved(directory, options, fetched, source_dir)
 
-    def _signature(
-        self, name: str, cancel: threading.Event | None = None
+    def signature(
+        self, name: str, *, adapter: bool = False, cancel: threading.Event | None = None
     ) -> tuple[OmsStatement, str] | None:
-        """The model's OMS signature, verified against ``--trust-key`` / ``--trust-chain``
-        before anything else is read, and the local file the verification reads it
-        from (an ``s3://`` one is kept in the cache, as its manifests are)."""
-        path = self.verify.signature_for(name)
+        """The OMS signature of model (or ``adapter``) ``name``, verified against
+        ``--trust-key`` / ``--trust-chain`` before anything else is read, and the local
+        file it was read from (an ``s3://`` one is kept in the cache, as manifests are)."""
+        if adapter:
+            path = self.verify.adapter_signatures.get(name)
+        else:
+            path = self.verify.signature_for(name)
         if path is None:
             return None
         if is_remote(path):
@@ -488,14 +491,15 @@ class SourceResolver:
         roots: Sequence[S3Location],
         expected_digest: str | None,
         admit: Callable[[Sequence[RemoteObject]], None] | None = None,
+        statement: OmsStatement | None = None,
     ) -> Resolved:
         """The adapter's version directory for an ``s3://`` adapter under one of
-        ``roots``. Without ``expected_digest`` the adapter is accepted only with
-        ``--trust-object-store`` (the digest is its trust root). ``admit(objects)`` judges
+        ``roots``. Without ``expected_digest`` or an OMS ``statement`` (verified) the
+        adapter is accepted only with ``--trust-object-store``. ``admit(objects)`` judges
         the sizes the store gives against every limit and budget before the first GET:
         what it refuses is never downloaded."""
         with self._accounted():
-            return self._resolve_adapter(source, roots, expected_digest, admit)
+            return self._resolve_adapter(source, roots, expected_digest, admit, statement)
 
     def _resolve_adapter(
         self,
@@ -503,8 +507,29 @@ class SourceResolver:
         roots: Sequence[S3Location],
         expected_digest: str | None,
         admit: Callable[[Sequence[RemoteObject]], None] | None,
+        statement: OmsStatement | None = None,
     ) -> Resolved:
         location = adapter_location(source, tuple(roots))
+        if statement is not None:
+            unsigned = [f for f in ADAPTER_FILES if f not in statement.files]
+            if unsigned:
+                raise ManifestMismatchError(
+                    location.object_uri(unsigned[0]),
+                    f"is not in OMS signature {statement.origin}; nothing was downloaded",
+                )
+            objects = self._select_signed_files(location, statement, None)
+            if admit is not None:
+                admit(objects)
+            directory, fetched, source_dir = self._bring(
+                location.uri,
+                "adapter",
+                location,
+                objects,
+                None,
+                None,
+                _Expected(statement.files, f"OMS signature {statement.origin}"),
+            )
+            return Resolved(directory, None, fetched, source_dir)
         if expected_digest is None and not self.options.trust_object_store:
             raise RemoteTrustError(
                 f"adapter {location.uri} comes from an object store, which is not a trust root: "

@@ -447,6 +447,18 @@ def compare_directory(
     return problems
 
 
+def require_signed(statement: OmsStatement, root: str, sha256: Mapping[str, str]) -> None:
+    """:func:`compare_directory` for a directory read whole already (an adapter: its
+    files' SHA-256 from that one read); raise the first problem, counting the rest."""
+    computed = {n: FileDigest(0, d) for n, d in sha256.items()}
+    problems = compare_directory(statement, root, computed)
+    if problems:
+        first = problems[0]
+        if len(problems) > 1:
+            first.message += f" (and {len(problems) - 1} more)"
+        raise first
+
+
 def _is_signature(root: str, name: str, statement: OmsStatement) -> bool:
     """The signature file itself, when kept inside the model directory (the library's
     CLI ignores it the same way)."""

@@ -70,6 +70,8 @@ class VerifyOptions:
     trust_keys: tuple[str, ...] = ()
     #: OMS signature (``model_signing sign``) per model name ("" as for manifests).
     signatures: Mapping[str, str] = field(default_factory=dict)
+    #: OMS signature per adapter name (exact names only).
+    adapter_signatures: Mapping[str, str] = field(default_factory=dict)
     #: CA certificates (PEM files) an OMS ``certificate`` signature must chain to.
     trust_chains: tuple[str, ...] = ()
     #: Require the checkpoint to be a Hugging Face cache snapshot whose blob names match.
