@@ -116,13 +116,12 @@ def test_signed_prefix_is_served_hashed_once_and_a_changed_bucket_is_refused(
 def test_signed_adapter_loads_from_a_local_and_an_s3_root(
     seaweed: SeaweedS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    base_dir = tmp_path / "tiny-llama"
-    build_model("llama", BASE_CONFIG).save_pretrained(str(base_dir))
-    root = tmp_path / "adapters"
-    make_adapter(base_dir, root / "good", 1, 4)
     private, public = ec_keypair(tmp_path / "keys")
+    base_dir, root = tmp_path / "tiny-llama", tmp_path / "adapters"
+    build_model("llama", BASE_CONFIG).save_pretrained(str(base_dir))
+    for name, seed in (("good", 1), ("other", 2)):  # the same shapes, other weights
+        make_adapter(base_dir, root / name, seed, 4)
     signature = sign_key(root / "good", private, tmp_path / "good.sig")
-    make_adapter(base_dir, root / "other", 2, 4)  # the same shapes, other weights
     bucket = seaweed.bucket()
     seaweed.upload_dir(root / "good", bucket, "adapters/good/")
     seaweed.upload_dir(root / "other", bucket, "adapters/other/")

@@ -74,6 +74,11 @@ def _pinned_digest(text: str) -> Named:
 
 _MODEL: Final = Parsed(parse_named, "[NAME=]DIR or [NAME=]s3://BUCKET/PREFIX/")
 _MANIFEST: Final = Parsed(parse_named, "[NAME=]FILE")
+_ADAPTER_SIGNATURE: Final = (
+    "OpenSSF Model Signing signature an adapter loaded under NAME must match (a local "
+    "file or an s3:// object; checked with a trust-key or trust-chain; it then vouches "
+    "for the adapter as a pinned digest does); repeatable"
+)
 _LAYOUT: Final = Parsed(parse_declared, "[MODEL=]tp=N[,pp=N][,pp_layers=A+B][,ep=N][,vocab_pad=N]")
 
 
@@ -420,12 +425,7 @@ class AdapterSection(Section):
         metavar="NAME=sha256:HEX",
     )
     signature: tuple[Named, ...] = setting(
-        (),
-        Items(Parsed(parse_named, "NAME=FILE")),
-        "OpenSSF Model Signing signature an adapter loaded under NAME must match (a "
-        "local file or an s3:// object; checked with a trust-key or trust-chain; it then "
-        "vouches for the adapter as a pinned digest does); repeatable",
-        metavar="NAME=FILE",
+        (), Items(Parsed(parse_named, "NAME=FILE")), _ADAPTER_SIGNATURE, metavar="NAME=FILE"
     )
     autoload_trust_roots: bool = setting(
         False,
