@@ -284,7 +284,7 @@ def load_signature(
         raise UnsupportedSignatureError(
             origin,
             "checking an OMS signature needs the model-signing package: "
-            "pip install 'weightd[signing]'",
+            "pip install '.[signing]' from a weightd clone",
         ) from None
     kind = _kind(origin, raw)
     if kind == "sigstore":
