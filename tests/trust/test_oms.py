@@ -330,3 +330,43 @@ def test_model_signing_cli_agrees(signed: tuple[Path, Path, Path]) -> None:
         "verify", "key", str(model), "--signature", str(signature), "--public_key", str(public)
     )
     assert "succeeded" in out.stdout
+
+
+def _weightd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(weightd_command(*args), capture_output=True, text=True, timeout=120)
+
+
+def test_weightd_manifest_writes_and_reads_the_oms_form(
+    signed: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """``weightd manifest create --format oms`` writes what the standard tool verifies;
+    ``weightd manifest show`` reads either form (an OMS one only verified)."""
+    _, theirs, public = signed
+    model = _copy(signed, tmp_path)
+    ours = model / "model.sig"  # inside the directory: left out of what is signed
+    done = _weightd(
+        "manifest", "create", str(model), "--format", "oms",
+        "--sign-key", str(public.with_suffix(".pem")), "-o", str(ours),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = model_signing(
+        "verify", "key", str(model), "--signature", str(ours), "--public_key", str(public)
+    )
+    assert "succeeded" in out.stdout
+    assert _verify(model, ours, (public,)).ok
+    shown = _weightd("manifest", "show", str(theirs), "--trust-key", str(public))
+    assert shown.returncode == 0, shown.stderr
+    import hashlib
+
+    digest = hashlib.sha256((model / "tokenizer.json").read_bytes()).hexdigest()
+    assert f"{digest}  tokenizer.json" in shown.stdout
+    assert "EC key sha256:" in shown.stdout
+    unverified = _weightd("manifest", "show", str(theirs))
+    assert unverified.returncode != 0
+    assert "give --trust-key or --trust-chain" in unverified.stderr
+    # weightd's own form, read by the same command.
+    own = tmp_path / "manifest.json"
+    assert _weightd("manifest", "create", str(model), "-o", str(own)).returncode == 0
+    shown = _weightd("manifest", "show", str(own))
+    assert shown.returncode == 0 and "config.json" in shown.stdout
+    assert "signature not checked" in shown.stdout

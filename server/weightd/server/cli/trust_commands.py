@@ -70,8 +70,26 @@ def add_parsers(sub: Any) -> None:
     c = msub.add_parser("create", help="hash a checkpoint and write its manifest")
     c.add_argument("directory")
     c.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
-    c.add_argument("--sign-key", default=None, help="Ed25519 private key (PEM) to sign with")
+    c.add_argument(
+        "--sign-key",
+        default=None,
+        help="private key (PEM) to sign with: Ed25519 for weightd's form, EC for --format oms",
+    )
+    c.add_argument(
+        "--format",
+        choices=("weightd", "oms"),
+        default="weightd",
+        help="weightd: weightd's manifest (JSON, tensor digests); oms: an OpenSSF Model "
+        "Signing signature written by the model-signing library (needs --sign-key, -o)",
+    )
     c.add_argument("--hash-threads", type=int, default=None)
+    s = msub.add_parser(
+        "show",
+        help="print what a weightd manifest or an OMS signature pins (files, digests, signer)",
+    )
+    s.add_argument("file")
+    s.add_argument("--trust-key", action="append", default=[], metavar="PUBKEY")
+    s.add_argument("--trust-chain", action="append", default=[], metavar="PEM")
     k = msub.add_parser("keygen", help="write a new Ed25519 key pair")
     k.add_argument("--out-private", required=True)
     k.add_argument("--out-public", required=True)
@@ -196,6 +214,10 @@ def run_manifest(args: argparse.Namespace) -> int:
         kid = generate_keypair(args.out_private, args.out_public)
         print(f"wrote {args.out_private} (private, 0600) and {args.out_public}: key {kid}")
         return 0
+    if args.manifest_command == "show":
+        return _show(args)
+    if args.format == "oms":
+        return _create_oms(args)
     private = load_private_key(args.sign_key) if args.sign_key else None
     v = verify_checkpoint(
         args.directory, None, VerifyOptions(threads=args.hash_threads, file_sha256=True)
@@ -222,4 +244,81 @@ def run_manifest(args: argparse.Namespace) -> int:
         f"{signed} -> {args.output or 'stdout'}",
         file=sys.stderr,
     )
+    return 0
+
+
+# --- the OMS form ----------------------------------------------------------------------
+
+
+def _create_oms(args: argparse.Namespace) -> int:
+    """``manifest create --format oms``: the directory must verify as weightd would serve
+    it, then the model-signing library signs it (its own hashing, its own format), so
+    what is written is exactly what ``model_signing sign key`` writes."""
+    import pathlib
+
+    from ..trust.verify import VerifyOptions, verify_checkpoint
+
+    if not args.sign_key or not args.output:
+        raise UsageError("--format oms needs --sign-key EC_PRIVATE_KEY.pem and -o SIGNATURE")
+    v = verify_checkpoint(args.directory, None, VerifyOptions(threads=args.hash_threads))
+    v.store.close()
+    if not v.ok:
+        for p in v.problems:
+            print(f"weightd manifest: problem: {p}", file=sys.stderr)
+        print(
+            f"weightd manifest: error: {args.directory} does not verify "
+            f"({len(v.problems)} problems); no signature written",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        import model_signing
+    except ImportError:
+        raise UsageError(
+            "--format oms needs the model-signing package (pip install '.[signing]')"
+        ) from None
+    model = pathlib.Path(v.root)
+    out = pathlib.Path(args.output).resolve()
+    inside = [out.relative_to(model)] if out.is_relative_to(model) else []
+    hashing = model_signing.hashing.Config()  # type: ignore[no-untyped-call]
+    config = model_signing.signing.Config()  # type: ignore[no-untyped-call]
+    try:
+        signer = config.use_elliptic_key_signer(private_key=pathlib.Path(args.sign_key))
+        signer.set_hashing_config(hashing.set_ignored_paths(paths=inside)).sign(model, out)
+    except Exception as exc:  # the library's own errors: a wrong key type, unreadable file
+        raise UsageError(f"{args.sign_key}: signing failed: {exc}") from None
+    print(f"OMS signature of {v.root} (key {args.sign_key}) -> {out}", file=sys.stderr)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    """Print a weightd manifest's or an OMS signature's files and digests, and who
+    signed it when a key or CA is given (an OMS signature is only read verified)."""
+    from ..trust.manifest import MAX_MANIFEST_BYTES, parse_manifest
+    from ..trust.oms import describe, load_signature, read_signature_file
+    from ..trust.signing import check_signature
+    from ..trust.verify import manifest_keys
+
+    raw = read_signature_file(args.file)
+    if b"dsseEnvelope" in raw[:MAX_MANIFEST_BYTES]:
+        if not (args.trust_key or args.trust_chain):
+            raise UsageError(
+                f"{args.file} is an OMS signature: give --trust-key or --trust-chain "
+                "(its statement means nothing until its signature verifies)"
+            )
+        statement = load_signature(args.file, raw, args.trust_key, args.trust_chain)
+        print(describe(statement))
+        print(f"  ignores  {', '.join(statement.ignore)}")
+        for name, digest in sorted(statement.files.items()):
+            print(f"  {digest}  {name}")
+        return 0
+    manifest = parse_manifest(args.file, raw[: MAX_MANIFEST_BYTES + 1])
+    if args.trust_key:
+        signer = check_signature(manifest, manifest_keys(args.trust_key))
+        print(f"weightd manifest {args.file}, signed by {signer.key_id} ({signer.path})")
+    else:
+        print(f"weightd manifest {args.file} (signature not checked: no --trust-key)")
+    print(f"  {count(len(manifest.tensors), 'tensor')} with their BLAKE3 digests")
+    for name, entry in sorted(manifest.files.items()):
+        print(f"  {entry.sha256}  {name}")
     return 0
