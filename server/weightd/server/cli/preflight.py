@@ -107,14 +107,16 @@ def _check_models(config: ServeConfig, where: str) -> None:
             f"{remote[0]}: s3:// sources need boto3 (the s3 extra): pip install boto3, or "
             "pip install '.[s3]' in a clone of weightd"
         )
-    options = replace(verify_options(config), digests=False, progress=False)
+    # An OMS signature is verified by the load, on a thread beside the hashing (its
+    # library's import is slow): here its file was only read above.
+    options = replace(verify_options(config), digests=False, progress=False, signatures={})
     for model in config.model:
         if is_remote(model.value):
             parse_s3_uri(model.value)  # a malformed location fails here, in one line
             continue  # checked against the store when the daemon starts
         _check_directory(where, model.value)
         name = model.name or default_model_name(model.value)
-        # Every check but the digests (structure, config, layout, manifest, signature):
+        # Every check but the digests (structure, config, layout, manifest):
         # a bad checkpoint is one line before the first log line and the first bind.
         v = verify_checkpoint(model.value, name, options)
         v.store.close()

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import pathlib
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -466,6 +467,43 @@ def _is_signature(root: str, name: str, statement: OmsStatement) -> bool:
     if "://" in origin:
         return False
     return os.path.realpath(os.path.join(root, name)) == os.path.realpath(origin)
+
+
+class PendingSignature:
+    """An OMS signature being read and verified on a thread of its own, while the
+    caller scans and hashes the directory.
+
+    Importing the library (it brings Sigstore's whole stack with it) is slow enough to
+    show in a start-up next to hashing (docs/notes/2026-12-07-oms-startup.md), and it
+    holds the GIL while hashing does not: side by side they overlap. Nothing depends on the order: the digests are only
+    *compared* with the statement, and anything served, once it has verified."""
+
+    def __init__(self, origin: str, keys: Sequence[str], chains: Sequence[str]) -> None:
+        self.origin = origin
+        self._keys = tuple(keys)
+        self._chains = tuple(chains)
+        self._statement: OmsStatement | None = None
+        self._error: WeightdError | None = None
+        self.settled = False
+        self._thread = threading.Thread(target=self._run, name="oms-verify", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            raw = read_signature_file(self.origin)
+            self._statement = load_signature(self.origin, raw, self._keys, self._chains)
+        except WeightdError as exc:
+            self._error = exc
+        except Exception as exc:  # never INTERNAL: whatever the library raised, one line
+            self._error = signature_error(self.origin, exc)
+
+    def result(self) -> OmsStatement | WeightdError:
+        """The verified statement, or the one-line reason it is not (waits for it)."""
+        self._thread.join()
+        self.settled = True
+        if self._statement is not None:
+            return self._statement
+        return self._error or SignatureSyntaxError(self.origin, "verification did not finish")
 
 
 def describe(statement: OmsStatement) -> str:

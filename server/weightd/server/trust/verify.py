@@ -46,14 +46,7 @@ from .hfcache import (
     snapshot_of,
 )
 from .manifest import MAX_MANIFEST_BYTES, FileDigest, Manifest, compare, parse_manifest
-from .oms import (
-    OmsStatement,
-    compare_directory,
-    describe,
-    is_ec_key,
-    load_signature,
-    read_signature_file,
-)
+from .oms import OmsStatement, PendingSignature, compare_directory, describe, is_ec_key
 from .signing import TrustedKey, check_signature, load_public_key
 
 log = logging.getLogger("weightd.verify")
@@ -167,7 +160,6 @@ def _prepare_trust(v: Verification, options: VerifyOptions) -> _Trust:
     """Load the manifest (signature checked), the OMS signature (verified) and the
     snapshot. ``ok`` False: trust failed."""
     manifest_path = options.manifest_for(v.name)
-    signature_path = options.signature_for(v.name)
     t = _Trust()
     try:
         keys = manifest_keys(options.trust_keys) if manifest_path is not None else []
@@ -191,11 +183,6 @@ def _prepare_trust(v: Verification, options: VerifyOptions) -> _Trust:
                     "the manifest's signature was not checked: it proves integrity, not origin"
                 )
                 v.trust_root = "manifest-unsigned"
-        if signature_path is not None:
-            raw = read_signature_file(signature_path)
-            t.oms = load_signature(signature_path, raw, options.trust_keys, options.trust_chains)
-            v.trust.append(describe(t.oms))
-            v.trust_root = t.oms.root
         if options.trust_hf_cache:
             t.snapshot = snapshot_of(v.root)
             v.trust.append(f"Hugging Face cache blobs of {t.snapshot.repo} @ {t.snapshot.revision}")
@@ -218,6 +205,36 @@ def verify_checkpoint(
     model_name = name or os.path.basename(root)
     placeholder = ShardStore(root)
     v = Verification(root, model_name, placeholder, None, [])
+    signature = options.signature_for(model_name)
+    pending = (
+        PendingSignature(signature, options.trust_keys, options.trust_chains)
+        if signature is not None
+        else None
+    )
+    try:
+        _verify(v, model_dir, options, pending)
+    finally:
+        if pending is not None and not pending.settled:  # an early return: still reported
+            _settle(v, pending)
+    return v
+
+
+def _settle(v: Verification, pending: PendingSignature) -> OmsStatement | None:
+    """The OMS signature's outcome into ``v``: its trust line, or its problem."""
+    got = pending.result()
+    if isinstance(got, WeightdError):
+        v.problems.append(got)
+        return None
+    v.trust.append(describe(got))
+    v.trust_root = got.root
+    return got
+
+
+def _verify(
+    v: Verification, model_dir: str, options: VerifyOptions, pending: PendingSignature | None
+) -> None:
+    """:func:`verify_checkpoint`'s steps, with ``pending`` verifying meanwhile."""
+    root, model_name = v.root, v.name
     t = _prepare_trust(v, options)
     manifest, snapshot, trusted = t.manifest, t.snapshot, t.ok
     directory = None
@@ -227,7 +244,7 @@ def verify_checkpoint(
         except CheckpointError as exc:
             v.problems.append(exc)
             v.notes.append("digests not computed: fix the problems above first")
-            return v
+            return
     scan = scan_checkpoint(model_dir, model_name, directory=directory)
     # Where the descriptor the files were read by points (model_dir may be a link that
     # an operator flipped since ``root`` was resolved above).
@@ -248,18 +265,18 @@ def verify_checkpoint(
     ckpt = scan.checkpoint
     if ckpt is None or v.problems or not trusted:
         v.notes.append("digests not computed: fix the problems above first")
-        return v
+        return
     if not options.digests:
         v.notes.append("digests not computed: structure only, as asked")
-        return v
+        return
     need_sha256 = options.file_sha256
     if need_sha256 is None:
-        need_sha256 = manifest is not None or snapshot is not None or t.oms is not None
+        need_sha256 = manifest is not None or snapshot is not None or pending is not None
     try:
         shard_digests = _digests(v, ckpt, scan.store, options, snapshot is not None, need_sha256)
     except WeightdError as exc:  # a shard changed or shrank while it was read
         v.problems.append(exc)
-        return v
+        return
     for shard, d in shard_digests.items():
         if d.sha256:
             v.files[shard] = FileDigest(d.size, d.sha256)
@@ -268,8 +285,10 @@ def verify_checkpoint(
         v.files[small.name] = FileDigest(small.size, small.sha256)
     if manifest is not None:
         v.problems.extend(compare(manifest, ckpt, v.files, v.tensor_digests))
-    if t.oms is not None:
-        v.problems.extend(compare_directory(t.oms, root, v.files, v.signed_files))
+    if pending is not None:
+        statement = _settle(v, pending)
+        if statement is not None:
+            v.problems.extend(compare_directory(statement, root, v.files, v.signed_files))
     if snapshot is not None:
         hashed = {
             s: HashedFile(scan.store.shard(s).real_path, d.sha256, d.git_sha1)
@@ -283,7 +302,6 @@ def verify_checkpoint(
     else:
         v.checkpoint = ckpt
         v.trust_root = v.trust_root or options.fallback_root
-    return v
 
 
 def _check_links(snapshot: Snapshot, scan: Scan) -> list[WeightdError]:
