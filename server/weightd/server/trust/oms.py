@@ -475,8 +475,9 @@ class PendingSignature:
 
     Importing the library (it brings Sigstore's whole stack with it) is slow enough to
     show in a start-up next to hashing (docs/notes/2026-12-07-oms-startup.md), and it
-    holds the GIL while hashing does not: side by side they overlap. Nothing depends on the order: the digests are only
-    *compared* with the statement, and anything served, once it has verified."""
+    holds the GIL while hashing does not: side by side they overlap. Nothing depends on
+    the order: the digests are only *compared* with the statement, and anything served,
+    once it has verified."""
 
     def __init__(self, origin: str, keys: Sequence[str], chains: Sequence[str]) -> None:
         self.origin = origin
