@@ -370,3 +370,25 @@ def test_weightd_manifest_writes_and_reads_the_oms_form(
     shown = _weightd("manifest", "show", str(own))
     assert shown.returncode == 0 and "config.json" in shown.stdout
     assert "signature not checked" in shown.stdout
+
+
+def test_verifying_imports_no_sigstore_client_and_the_package_stays_whole() -> None:
+    """Verifying loads the library's verifiers without the package's eager import of
+    Sigstore's online client stack; any later ``import model_signing`` in the process
+    still finds its public modules."""
+    import sys
+
+    code = (
+        "import sys\n"
+        "from weightd.server.trust import oms\n"
+        "oms._library()\n"
+        "assert 'sigstore' not in sys.modules and 'tuf' not in sys.modules, 'eager'\n"
+        "import model_signing\n"
+        "assert model_signing.__version__.startswith('1.')\n"
+        "model_signing.signing.Config().use_elliptic_key_signer\n"
+        "model_signing.hashing.Config().use_file_serialization()\n"
+        "model_signing.verifying.Config\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Final
 
 from ..base.errors import (
@@ -78,10 +83,71 @@ class OmsStatement:
     def ignored(self, name: str) -> bool:
         """Whether ``name`` is outside the signature by its ignore rules (the library's
         ``should_ignore``: a path or any of its parent directories listed)."""
-        from model_signing._serialization.serialization import should_ignore
-
+        should_ignore = _library().serialization.should_ignore
         # Relative paths: compared as paths, never touched on disk.
-        return should_ignore(pathlib.Path(name), [pathlib.Path(p) for p in self.ignore])
+        return bool(should_ignore(pathlib.Path(name), [pathlib.Path(p) for p in self.ignore]))
+
+
+@dataclass(frozen=True)
+class _Library:
+    """The parts of ``model-signing`` that verify (the bundle parser, the key and
+    certificate verifiers, the ignore rule)."""
+
+    sign_sigstore_pb: ModuleType
+    sign_ec_key: ModuleType
+    sign_certificate: ModuleType
+    serialization: ModuleType
+
+
+_LIBRARY: list[_Library] = []
+_LIBRARY_LOCK = threading.Lock()
+_PUBLIC: Final = ("hashing", "manifest", "signing", "verifying")
+
+
+def _package_getattr(name: str) -> object:
+    """The package's public names, imported on first use (what its ``__init__`` would
+    have imported eagerly)."""
+    if name in _PUBLIC:
+        return importlib.import_module(f"model_signing.{name}")
+    if name == "__version__":
+        return importlib.metadata.version("model-signing")
+    raise AttributeError(f"module 'model_signing' has no attribute {name!r}")
+
+
+def _library() -> _Library:
+    """The verifying modules of ``model-signing``, imported once.
+
+    The package's ``__init__`` imports its signing side eagerly, and with it Sigstore's
+    whole client stack (TUF, Rekor and Fulcio clients, an HTTP stack), which weightd
+    never uses (it verifies offline) and whose import costs more CPU than the verifiers
+    themselves (docs/notes/2026-12-07-oms-startup.md). Unless the package was imported
+    already, it is registered without running that ``__init__``, with a module
+    ``__getattr__`` that imports each public submodule on first use, so any later
+    ``import model_signing`` in this process still finds ``hashing``, ``signing``, ...
+    """
+    with _LIBRARY_LOCK:
+        if _LIBRARY:
+            return _LIBRARY[0]
+        if "model_signing" not in sys.modules:
+            spec = importlib.util.find_spec("model_signing")
+            if spec is None or spec.loader is None:
+                raise ImportError("model_signing")
+            package = importlib.util.module_from_spec(spec)
+            package.__getattr__ = _package_getattr  # type: ignore[method-assign]
+            sys.modules["model_signing"] = package
+        try:
+            lib = _Library(
+                importlib.import_module("model_signing._signing.sign_sigstore_pb"),
+                importlib.import_module("model_signing._signing.sign_ec_key"),
+                importlib.import_module("model_signing._signing.sign_certificate"),
+                importlib.import_module("model_signing._serialization.serialization"),
+            )
+        except BaseException:  # a broken install: leave no half-registered package
+            for name in [m for m in sys.modules if m.split(".")[0] == "model_signing"]:
+                del sys.modules[name]
+            raise
+        _LIBRARY.append(lib)
+        return lib
 
 
 class _Text:
@@ -126,10 +192,8 @@ def _kind(origin: str, raw: bytes) -> str:
 
 
 def _parse(origin: str, raw: bytes) -> Any:
-    from model_signing._signing import sign_sigstore_pb
-
     try:
-        return sign_sigstore_pb.Signature.read(_Text(raw))  # type: ignore[arg-type]
+        return _library().sign_sigstore_pb.Signature.read(_Text(raw))
     except Exception as exc:  # the library raises what its parsers raise on garbage
         raise SignatureSyntaxError(
             origin, f"not a valid Sigstore bundle ({type(exc).__name__}: {echo(str(exc))[:200]})"
@@ -145,7 +209,8 @@ def _verify_key(origin: str, signature: Any, keys: Sequence[str]) -> tuple[Any, 
     """The manifest, the signer and its short form: the first ``--trust-key`` (EC) whose
     fingerprint the bundle names and under which the envelope verifies."""
     from cryptography.exceptions import InvalidSignature
-    from model_signing._signing import sign_ec_key
+
+    sign_ec_key = _library().sign_ec_key
 
     ec_keys = [k for k in keys if is_ec_key(k)]
     if not ec_keys:
@@ -185,7 +250,8 @@ def _verify_certificate(
     configured CA certificates *and* the leaf is valid now (the library checks the
     chain at the leaf's own start of validity, so an expired leaf passes it)."""
     from cryptography import x509
-    from model_signing._signing import sign_certificate
+
+    sign_certificate = _library().sign_certificate
 
     if not chains:
         raise UntrustedKeyError(
@@ -280,7 +346,7 @@ def load_signature(
     if len(raw) > MAX_SIGNATURE_BYTES:
         raise SignatureSyntaxError(origin, f"larger than the {MAX_SIGNATURE_BYTES}-byte limit")
     try:
-        import model_signing  # noqa: F401  (the optional extra)
+        _library()
     except ImportError:
         raise UnsupportedSignatureError(
             origin,

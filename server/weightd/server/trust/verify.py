@@ -5,12 +5,15 @@ publishes only when the problem list is empty) and ``weightd verify`` (which pri
 it). It goes as far as it usefully can and collects every problem on the way:
 
 1. trust sources: the manifest is parsed and its signature checked before anything
-   is hashed (a bad signature makes hashing pointless);
+   is hashed (a bad signature makes hashing pointless); an OpenSSF Model Signing
+   signature is verified on a thread beside steps 2-4 (:class:`~.oms.PendingSignature`)
+   and waited for before step 5;
 2. structure: index, every shard header, cross-checks (see :mod:`weightd.server.checkpoint.scan`);
 3. config: parameter names, shapes and dtypes (see :mod:`weightd.server.checkpoint.config_check`);
 4. digests: one pass per shard for SHA-256 and per-tensor BLAKE3 (or the hash
    cache, when the shard's fstat key is unchanged);
-5. comparison with the manifest and/or the Hugging Face cache blob names.
+5. comparison with the manifest, the OMS signature (:func:`~.oms.compare_directory`)
+   and/or the Hugging Face cache blob names.
 
 Digests are computed only for a structurally sound checkpoint; the report says so
 when they were skipped.
