@@ -21,8 +21,8 @@ from tests.s3.conftest import SeaweedS3
 from tests.s3.test_s3_models import _env, _same, _serve_fails
 from tests.trust.oms_signing import ec_keypair, sign_key
 from weightd.client import WeightClient
-from weightd.client.admin import AdminClient
-from weightd.client.errors import DigestMismatch, FailedPreconditionError
+from weightd.client.api.admin import AdminClient
+from weightd.client.base.errors import DigestMismatch, FailedPreconditionError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
