@@ -291,6 +291,8 @@ def test_daemon_serves_a_signed_model_and_says_what_proved_it(oms_daemon: str) -
         weightd_command("list", "--target", oms_daemon), capture_output=True, text=True, timeout=60
     )
     assert f"trust {d.trust_root}" in listed.stdout, listed.stdout + listed.stderr
+    described = _weightd("describe", "--target", oms_daemon, "--json")
+    assert json.loads(described.stdout)["trust_root"] == d.trust_root, described.stderr
 
 
 @pytest.mark.e2e
