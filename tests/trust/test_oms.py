@@ -323,6 +323,8 @@ def test_daemon_refuses_a_changed_model_before_serving(
     errors = [line for line in done.stderr.splitlines() if "extra.bin" in line]
     assert errors and "is not in OMS signature" in errors[0], done.stderr
     assert not (tmp_path / "w.sock").exists()
+    assert "hashed llama" in done.stderr  # refused after hashing: and yet nothing cached
+    assert not list((tmp_path / "cache").glob("hashes/*")), "a refused model was cached"
 
 
 def test_model_signing_cli_agrees(signed: tuple[Path, Path, Path]) -> None:

@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..base.cleanup import closing
@@ -119,6 +119,8 @@ class Verification:
     trust_root: str = ""
     #: Every file an OMS signature pins, with the SHA-256 it was found to have.
     signed_files: dict[str, str] = field(default_factory=dict)
+    #: Records what was hashed in the hash cache; called only when everything holds.
+    cache_write: Callable[[], None] | None = None
     config_summary: str = ""  # what the config check covered
 
     @property
@@ -305,6 +307,8 @@ def _verify(
     else:
         v.checkpoint = ckpt
         v.trust_root = v.trust_root or options.fallback_root
+        if v.cache_write is not None:
+            v.cache_write()
 
 
 def _check_links(snapshot: Snapshot, scan: Scan) -> list[WeightdError]:
@@ -369,19 +373,20 @@ def _digests(
     v.hashed_bytes = total
     out.update(hashed)
     if cache is not None and hashed:
-        cache.update(
-            {
-                # The identity at open, which the pass proved unchanged after reading
-                # (a fresh fstat here could pair a newer file with older digests).
-                shard: CacheEntry(
-                    store.shard(shard).real_path,
-                    store.shard(shard).identity,
-                    tuple(sorted(ranges[shard], key=lambda r: r.offset)),
-                    d,
-                )
-                for shard, d in hashed.items()
-            }
-        )
+        # Written once the whole verification holds (_verify): a refused checkpoint
+        # leaves nothing in the cache.
+        entries = {
+            # The identity at open, which the pass proved unchanged after reading
+            # (a fresh fstat here could pair a newer file with older digests).
+            shard: CacheEntry(
+                store.shard(shard).real_path,
+                store.shard(shard).identity,
+                tuple(sorted(ranges[shard], key=lambda r: r.offset)),
+                d,
+            )
+            for shard, d in hashed.items()
+        }
+        v.cache_write = functools.partial(cache.update, entries)
     if jobs:
         log.info(
             "hashed %s: %s, %.2f GiB in %.2fs (%.2f GB/s, %s)%s",
