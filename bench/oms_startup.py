@@ -94,6 +94,7 @@ def main() -> int:
     p.add_argument("--dir", default="/tmp/weightd-bench-oms-1g")
     p.add_argument("--size", type=int, default=1 << 30)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args()
     model = make_checkpoint(Path(args.dir) / "model", args.size, shards=4)
     manifest_args, oms_args = _sign_both(model, Path(args.dir) / "keys")
@@ -149,8 +150,8 @@ def main() -> int:
         "cpus": os.cpu_count(),
     }
     print(json.dumps(out, indent=2))
-    results = Path(__file__).resolve().parent / "results"
-    results.mkdir(exist_ok=True)
+    results = Path(args.out)
+    results.mkdir(parents=True, exist_ok=True)
     (results / "oms_startup.json").write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
