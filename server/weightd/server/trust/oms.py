@@ -134,6 +134,7 @@ def _library() -> _Library:
                 raise ImportError("model_signing")
             package = importlib.util.module_from_spec(spec)
             package.__getattr__ = _package_getattr  # type: ignore[method-assign]
+            package.__all__ = list(_PUBLIC)  # type: ignore[attr-defined]
             sys.modules["model_signing"] = package
         try:
             lib = _Library(
