@@ -56,6 +56,7 @@ def load_report(worker: Any) -> dict[str, Any] | None:
         "fallback": report.fallback,
         "identity": dict(report.identity),
         "pack_built": report.pack_built,
+        "trust_root": report.trust_root,
     }
 
 

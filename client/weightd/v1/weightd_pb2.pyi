@@ -506,6 +506,7 @@ class ModelSummary(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    TRUST_ROOT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     architecture: _builtins.str
     """config.json "architectures"[0], or "" when absent"""
@@ -522,6 +523,8 @@ class ModelSummary(_message.Message):
     """
     version: _builtins.int
     """the current version (VersionInfo.version); 0 while loading"""
+    trust_root: _builtins.str
+    """which trust root proved it (ModelDescription.trust_root)"""
     def __init__(
         self,
         *,
@@ -533,10 +536,11 @@ class ModelSummary(_message.Message):
         state: _builtins.str = ...,
         reason: _builtins.str = ...,
         version: _builtins.int = ...,
+        trust_root: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "name", b"name", "num_tensors", b"num_tensors", "ready", b"ready", "reason", b"reason", "state", b"state", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "name", b"name", "num_tensors", b"num_tensors", "ready", b"ready", "reason", b"reason", "state", b"state", "total_bytes", b"total_bytes", "trust_root", b"trust_root", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -690,6 +694,7 @@ class ModelDescription(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     HOST_BOOT_ID_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    TRUST_ROOT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     architecture: _builtins.str
     config_json: _builtins.str
@@ -705,6 +710,14 @@ class ModelDescription(_message.Message):
     """
     version: _builtins.int
     """the version described; 0 from a daemon that predates versions"""
+    trust_root: _builtins.str
+    """Which trust root proved this version before it was served: "oms-key:sha256:<16 hex>"
+    (an OpenSSF Model Signing signature under a --trust-key), "oms-certificate:<subject>"
+    (one chaining to a --trust-chain CA), "manifest:ed25519:<16 hex>" (a weightd manifest
+    signed by a --trust-key), "manifest-unsigned", "hf-cache" (--trust-hf-cache),
+    "object-store" (--trust-object-store); "" when only the digests computed at load
+    vouch for the bytes, or from a daemon that predates the field.
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorDescription]: ...
     @_builtins.property
@@ -728,10 +741,11 @@ class ModelDescription(_message.Message):
         model_fingerprint: _builtins.str = ...,
         host_boot_id: _builtins.str = ...,
         version: _builtins.int = ...,
+        trust_root: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "config_json", b"config_json", "files", b"files", "host_boot_id", b"host_boot_id", "model_fingerprint", b"model_fingerprint", "name", b"name", "tensors", b"tensors", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "config_json", b"config_json", "files", b"files", "host_boot_id", b"host_boot_id", "model_fingerprint", b"model_fingerprint", "name", b"name", "tensors", b"tensors", "total_bytes", b"total_bytes", "trust_root", b"trust_root", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,6 +26,8 @@ class ModelInfo:
     reason: str = ""  # why, when not ready: names the file and what changed
     #: The current version number (0 from a daemon that predates versions, or loading).
     version: int = 0
+    #: Which trust root proved the served version (``ModelDescription.trust_root``).
+    trust_root: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,24 @@ class ModelDescription:
     host_boot_id: str = ""
     #: The version described (0 from a daemon that predates versions).
     version: int = 0
+    #: Which trust root proved this version before it was served: "oms-key:sha256:...",
+    #: "oms-certificate:SUBJECT", "manifest:ed25519:...", "manifest-unsigned",
+    #: "hf-cache", "object-store"; "" when only the digests computed at load vouch for
+    #: it (or the daemon predates the field).
+    trust_root: str = ""
 
 
 def model_info_of(m: pb.ModelSummary) -> ModelInfo:
     return ModelInfo(
-        m.name, m.architecture, m.total_bytes, m.num_tensors, m.ready, m.state, m.reason, m.version
+        m.name,
+        m.architecture,
+        m.total_bytes,
+        m.num_tensors,
+        m.ready,
+        m.state,
+        m.reason,
+        m.version,
+        m.trust_root,
     )
 
 
@@ -95,4 +110,5 @@ def description_of(d: pb.ModelDescription) -> ModelDescription:
         d.model_fingerprint,
         d.host_boot_id,
         d.version,
+        d.trust_root,
     )

@@ -158,6 +158,7 @@ def load_from_weightd(
             weights, report = fetch_share(client, desc, layout, model, transport=options.transport)
             report.target = options.target
             report.identity = identity
+            report.trust_root = desc.trust_root
     except WeightdError as exc:
         raise WeightdLoadError(f"{where}: {_why(exc)}: {exc}") from exc
     with presharded_loading(model):
@@ -225,10 +226,12 @@ def register_loader() -> None:
             setattr(model, REPORT_ATTR, report)
             # Worded as vLLM's default loader words its line, so one pattern reads both.
             log.info(
-                "weightd: Loading weights took %.2f seconds (%d tensors, %.1f MiB, %s, over %s)",
+                "weightd: Loading weights took %.2f seconds (%d tensors, %.1f MiB, %s, over %s; "
+                "proven by %s)",
                 report.seconds,
                 len(report.shapes),
                 report.bytes / 2**20,
                 report.layout.describe(),
                 report.transport,
+                report.trust_root or "the digests computed at load",
             )

@@ -46,6 +46,10 @@ class LoadReport:
     identity: dict[str, str] = field(default_factory=dict)
     #: This worker's request built its pack (shared memory only; False: prebuilt)
     pack_built: bool = False
+    #: The trust root that proved the served version (``ModelDescription.trust_root``:
+    #: "oms-key:...", "oms-certificate:...", "manifest:...", ...; "" none but the
+    #: digests computed at load)
+    trust_root: str = ""
 
 
 def fetch_share(

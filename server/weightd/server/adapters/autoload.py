@@ -74,6 +74,8 @@ class AutoloadPolicy:
     allow: tuple[str, ...] = ()
     digests: Mapping[str, str] = field(default_factory=dict)
     trust_roots: bool = False
+    #: Names with an OMS signature (``--adapter-signature``): it vouches for the bytes.
+    signed: frozenset[str] = frozenset()
 
     @property
     def enabled(self) -> bool:
@@ -103,7 +105,7 @@ class AutoloadPolicy:
         load on request of ``name`` is not allowed or nothing vouches for it."""
         self.check_allowed(name)
         digest = self.digests.get(name)
-        if digest is None and not self.trust_roots:
+        if digest is None and not self.trust_roots and name not in self.signed:
             raise AdapterTrustError(
                 f"adapter {echo(name)} may be loaded on request, but nothing vouches for its "
                 "bytes: the operator must pin its digest (--adapter-digest NAME=sha256:...) "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import blake3
@@ -69,6 +69,8 @@ class LoadedAdapter:
     #: adapter_config.json exactly as verified (its SHA-256 is in ``digest``): served
     #: whole to engines that read PEFT's own file (vLLM), so nothing is re-derived.
     config_data: bytes = b""
+    #: Each file's SHA-256 from the one read (what an OMS signature is compared with).
+    file_sha256: dict[str, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -197,9 +199,19 @@ def load_adapter(
         )
         for e in header.entries
     }
-    digest = adapter_digest(config_file.sha256, hashlib.sha256(data).hexdigest())
+    weights_sha256 = hashlib.sha256(data).hexdigest()
+    digest = adapter_digest(config_file.sha256, weights_sha256)
     if expected_digest is not None and expected_digest != digest:
         raise DigestMismatchError(root, f"adapter digest: expected {expected_digest}, got {digest}")
     return LoadedAdapter(
-        root, config, modules, data, digests, digest, base.name, config_bytes, raw_config
+        root,
+        config,
+        modules,
+        data,
+        digests,
+        digest,
+        base.name,
+        config_bytes,
+        raw_config,
+        {CONFIG_FILE: config_file.sha256, WEIGHTS_FILE: weights_sha256},
     )

@@ -41,6 +41,7 @@ from ..sources.location import is_remote, parse_s3_uri
 from ..sources.resolver import SourceResolver
 from ..sources.s3 import RemoteObject
 from ..telemetry import logs
+from ..trust.oms import OmsStatement, require_signed
 from .autoload import AutoloadPolicy
 from .collector import AdapterMetrics, rejection_reason
 from .config import MAX_CONFIG_BYTES
@@ -329,14 +330,27 @@ class AdapterService:
         def room(n: int) -> None:
             registry.check_room(name, n)
 
-        loader = lambda: load_adapter(source_dir, roots, base, expected, room)  # noqa: E731
+        def loader() -> LoadedAdapter:
+            statement = self._signed(name)
+            adapter = load_adapter(source_dir, roots, base, expected, room)
+            if statement is not None:
+                require_signed(statement, adapter.source, adapter.file_sha256)
+            return adapter
+
         if is_remote(source_dir):
-            loader = self._remote_loader(source_dir, base, expected, room)
+            loader = self._remote_loader(name, source_dir, base, expected, room)
         registry.load(name, f"{base.name}\0{source_dir}", expected, loader)
         return self.state(name)
 
+    def _signed(self, name: str) -> OmsStatement | None:
+        """The adapter's OMS signature (``--adapter-signature NAME=FILE``), verified
+        before any adapter byte is read; None when it has none."""
+        found = self.resolver.signature(name, adapter=True) if self.resolver else None
+        return found[0] if found is not None else None
+
     def _remote_loader(
         self,
+        name: str,
         source: str,
         base: Checkpoint,
         expected: str | None,
@@ -372,10 +386,13 @@ class AdapterService:
             room(config + weights)
 
         def load() -> LoadedAdapter:
-            resolved = resolver.resolve_adapter(source, remote_roots, expected, admit)
+            statement = self._signed(name)
+            resolved = resolver.resolve_adapter(source, remote_roots, expected, admit, statement)
             root = os.path.dirname(resolved.directory)
             try:
                 adapter = load_adapter(resolved.directory, [root], base, expected, room)
+                if statement is not None:
+                    require_signed(statement, adapter.source, adapter.file_sha256)
             except BaseException as exc:
                 resolver.reject(resolved.directory)
                 if isinstance(exc, CheckpointError):

@@ -286,6 +286,16 @@ class BadSignatureError(SignatureError):
     """The signature does not verify: the manifest was changed after signing."""
 
 
+class SignatureSyntaxError(SignatureError):
+    """An OMS signature file is not a readable Sigstore bundle (truncated, garbled, too
+    large): untrusted input, refused in one line."""
+
+
+class UnsupportedSignatureError(SignatureError):
+    """An OMS signature weightd cannot check: the ``sigstore`` method (needs the
+    network) or a serialization other than ``files`` with SHA-256."""
+
+
 class HFCacheError(CheckpointError):
     """A directory used as a Hugging Face cache snapshot is not laid out as one."""
 

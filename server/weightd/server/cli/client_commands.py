@@ -229,7 +229,8 @@ def run_list(args: argparse.Namespace) -> int:
                 state = f"{m.state}: {m.reason}"
             size = f"{m.num_tensors} tensors\t{m.total_bytes} bytes"
             version = f"\tversion {m.version}" if m.version else ""
-            print(f"{m.name}\t{m.architecture}\t{size}\t{state}{version}")
+            trust = f"\ttrust {m.trust_root or 'digests at load only'}" if m.ready else ""
+            print(f"{m.name}\t{m.architecture}\t{size}\t{state}{version}{trust}")
     return 0
 
 
@@ -245,6 +246,7 @@ def run_describe(args: argparse.Namespace) -> int:
                     "name": d.name,
                     "architecture": d.architecture,
                     "total_bytes": d.total_bytes,
+                    "trust_root": d.trust_root,
                     "tensors": [t.__dict__ | {"shape": list(t.shape)} for t in d.tensors],
                 },
                 indent=2,
@@ -252,6 +254,7 @@ def run_describe(args: argparse.Namespace) -> int:
         )
         return 0
     print(f"{d.name} ({d.architecture}): {count(len(d.tensors), 'tensor')}, {d.total_bytes} bytes")
+    print(f"  trust: {d.trust_root or 'the digests computed at load only'}")
     for t in d.tensors:
         print(f"  {t.name}\t{t.dtype}\t{list(t.shape)}\t{t.shard}\t{t.digest[:23]}...")
     return 0

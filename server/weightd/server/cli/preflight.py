@@ -30,6 +30,7 @@ from ..plan.rules_file import load_rules_file
 from ..sources.location import default_model_name, is_remote, parse_s3_uri
 from ..transports.options import check_config
 from ..trust.manifest import MAX_MANIFEST_BYTES, parse_manifest
+from ..trust.oms import check_chain_file, is_ec_key, read_signature_file
 from ..trust.signing import load_public_key
 from ..trust.verify import first_problem, read_operator_file, verify_checkpoint
 
@@ -46,7 +47,15 @@ def check_serve(loaded: Loaded) -> None:
         load_rules_file(path)  # its errors name the file and the rule, as serve's did
     with _flag(loaded.where("trust.trust_key")):
         for path in config.trust.trust_key:
-            load_public_key(path)
+            if not is_ec_key(path):  # an EC key checks OMS signatures (trust/oms.py)
+                load_public_key(path)
+    with _flag(loaded.where("trust.trust_chain")):
+        for path in config.trust.trust_chain:
+            check_chain_file(path)
+    with _flag(loaded.where("trust.signature")):
+        for path in config.signatures().values():
+            if not is_remote(path):  # an s3:// one: read by the source resolver
+                read_signature_file(path)
     with _flag(loaded.where("trust.manifest")):
         for path in config.manifests().values():
             if is_remote(path):
@@ -109,14 +118,16 @@ def _check_models(config: ServeConfig, where: str) -> None:
             f"{remote[0]}: s3:// sources need boto3 (the s3 extra): pip install boto3, or "
             "pip install '.[s3]' in a clone of weightd"
         )
-    options = replace(verify_options(config), digests=False, progress=False)
+    # An OMS signature is verified by the load, on a thread beside the hashing (its
+    # library's import is slow): here its file was only read above.
+    options = replace(verify_options(config), digests=False, progress=False, signatures={})
     for model in config.model:
         if is_remote(model.value):
             parse_s3_uri(model.value)  # a malformed location fails here, in one line
             continue  # checked against the store when the daemon starts
         _check_directory(where, model.value)
         name = model.name or default_model_name(model.value)
-        # Every check but the digests (structure, config, layout, manifest, signature):
+        # Every check but the digests (structure, config, layout, manifest):
         # a bad checkpoint is one line before the first log line and the first bind.
         v = verify_checkpoint(model.value, name, options)
         v.store.close()

@@ -20,9 +20,16 @@ if TYPE_CHECKING:  # the verify stack (blake3, cryptography) loads only when use
 MAX_PRINTED_PROBLEMS: Final = 100
 
 
-def _check_trust_args(manifests: dict[str, str], keys: list[str], hf: bool) -> None:
-    if keys and not manifests:
-        raise UsageError("--trust-key needs --manifest (the key signs a manifest)")
+def _check_trust_args(args: argparse.Namespace) -> None:
+    if args.trust_key and not (args.manifest or args.signature):
+        raise UsageError("--trust-key needs --manifest or --signature (the key signs one)")
+    if args.signature and not (args.trust_key or args.trust_chain):
+        raise UsageError(
+            "--signature needs --trust-key (EC public key) or --trust-chain (CA "
+            "certificates): a signature proves origin only against a key or CA you name"
+        )
+    if args.trust_chain and not args.signature:
+        raise UsageError("--trust-chain needs --signature (the CA vouches for its signer)")
 
 
 # --- weightd verify --------------------------------------------------------------------
@@ -34,7 +41,26 @@ def add_parsers(sub: Any) -> None:
     )
     v.add_argument("directory")
     v.add_argument("--manifest", default=None, help="trusted manifest the checkpoint must match")
-    v.add_argument("--trust-key", action="append", default=[], metavar="PUBKEY")
+    v.add_argument(
+        "--signature",
+        default=None,
+        metavar="FILE",
+        help="OpenSSF Model Signing signature (`model_signing sign`) the directory must match",
+    )
+    v.add_argument(
+        "--trust-key",
+        action="append",
+        default=[],
+        metavar="PUBKEY",
+        help="public key (PEM): Ed25519 for a manifest, EC for an OMS signature",
+    )
+    v.add_argument(
+        "--trust-chain",
+        action="append",
+        default=[],
+        metavar="PEM",
+        help="CA certificates an OMS certificate signature must chain to",
+    )
     v.add_argument("--trust-hf-cache", action="store_true")
     v.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     v.add_argument("--hash-threads", type=int, default=None)
@@ -44,8 +70,26 @@ def add_parsers(sub: Any) -> None:
     c = msub.add_parser("create", help="hash a checkpoint and write its manifest")
     c.add_argument("directory")
     c.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
-    c.add_argument("--sign-key", default=None, help="Ed25519 private key (PEM) to sign with")
+    c.add_argument(
+        "--sign-key",
+        default=None,
+        help="private key (PEM) to sign with: Ed25519 for weightd's form, EC for --format oms",
+    )
+    c.add_argument(
+        "--format",
+        choices=("weightd", "oms"),
+        default="weightd",
+        help="weightd: weightd's manifest (JSON, tensor digests); oms: an OpenSSF Model "
+        "Signing signature written by the model-signing library (needs --sign-key, -o)",
+    )
     c.add_argument("--hash-threads", type=int, default=None)
+    s = msub.add_parser(
+        "show",
+        help="print what a weightd manifest or an OMS signature pins (files, digests, signer)",
+    )
+    s.add_argument("file")
+    s.add_argument("--trust-key", action="append", default=[], metavar="PUBKEY")
+    s.add_argument("--trust-chain", action="append", default=[], metavar="PEM")
     k = msub.add_parser("keygen", help="write a new Ed25519 key pair")
     k.add_argument("--out-private", required=True)
     k.add_argument("--out-public", required=True)
@@ -79,6 +123,13 @@ def _report_text(v: Verification, trust_given: bool) -> list[str]:
         )
         for name in sorted(v.files):
             lines.append(f"             {v.files[name].sha256}  {name}")
+    unread = {n: d for n, d in v.signed_files.items() if n not in v.files}
+    if unread:
+        lines.append(
+            f"  signed     {count(len(v.signed_files), 'file')} match the OMS signature; "
+            "besides those above, not read by weightd:"
+        )
+        lines.extend(f"             {d}  {n}" for n, d in sorted(unread.items()))
     for t in v.trust:
         lines.append(f"  trust      {t}")
     if not v.trust and trust_given:
@@ -105,10 +156,12 @@ def run_verify(args: argparse.Namespace) -> int:
     from ..trust.verify import VerifyOptions, verify_checkpoint
 
     manifests = {"": args.manifest} if args.manifest else {}
-    _check_trust_args(manifests, args.trust_key, args.trust_hf_cache)
+    _check_trust_args(args)
     options = VerifyOptions(
         manifests=manifests,
         trust_keys=tuple(args.trust_key),
+        signatures={"": args.signature} if args.signature else {},
+        trust_chains=tuple(args.trust_chain),
         trust_hf_cache=args.trust_hf_cache,
         threads=args.hash_threads,
         progress=not args.json,
@@ -124,6 +177,8 @@ def run_verify(args: argparse.Namespace) -> int:
                 "problems": [_problem_record(p) for p in v.problems],
                 "notes": v.notes,
                 "trust": v.trust,
+                "trust_root": v.trust_root,
+                "signed_files": v.signed_files,
                 "files": {n: {"size": f.size, "sha256": f.sha256} for n, f in v.files.items()},
                 "tensors": v.tensor_digests,
                 "hashed_bytes": v.hashed_bytes,
@@ -131,7 +186,7 @@ def run_verify(args: argparse.Namespace) -> int:
             }
             print(json.dumps(doc, indent=1, sort_keys=True))
         else:
-            given = bool(args.manifest or args.trust_key or args.trust_hf_cache)
+            given = bool(args.manifest or args.signature or args.trust_key or args.trust_hf_cache)
             print("\n".join(_report_text(v, given)))
     finally:
         v.store.close()
@@ -159,6 +214,10 @@ def run_manifest(args: argparse.Namespace) -> int:
         kid = generate_keypair(args.out_private, args.out_public)
         print(f"wrote {args.out_private} (private, 0600) and {args.out_public}: key {kid}")
         return 0
+    if args.manifest_command == "show":
+        return _show(args)
+    if args.format == "oms":
+        return _create_oms(args)
     private = load_private_key(args.sign_key) if args.sign_key else None
     v = verify_checkpoint(
         args.directory, None, VerifyOptions(threads=args.hash_threads, file_sha256=True)
@@ -185,4 +244,81 @@ def run_manifest(args: argparse.Namespace) -> int:
         f"{signed} -> {args.output or 'stdout'}",
         file=sys.stderr,
     )
+    return 0
+
+
+# --- the OMS form ----------------------------------------------------------------------
+
+
+def _create_oms(args: argparse.Namespace) -> int:
+    """``manifest create --format oms``: the directory must verify as weightd would serve
+    it, then the model-signing library signs it (its own hashing, its own format), so
+    what is written is exactly what ``model_signing sign key`` writes."""
+    import pathlib
+
+    from ..trust.verify import VerifyOptions, verify_checkpoint
+
+    if not args.sign_key or not args.output:
+        raise UsageError("--format oms needs --sign-key EC_PRIVATE_KEY.pem and -o SIGNATURE")
+    v = verify_checkpoint(args.directory, None, VerifyOptions(threads=args.hash_threads))
+    v.store.close()
+    if not v.ok:
+        for p in v.problems:
+            print(f"weightd manifest: problem: {p}", file=sys.stderr)
+        print(
+            f"weightd manifest: error: {args.directory} does not verify "
+            f"({len(v.problems)} problems); no signature written",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        import model_signing
+    except ImportError:
+        raise UsageError(
+            "--format oms needs the model-signing package (pip install '.[signing]')"
+        ) from None
+    model = pathlib.Path(v.root)
+    out = pathlib.Path(args.output).resolve()
+    inside = [out.relative_to(model)] if out.is_relative_to(model) else []
+    hashing = model_signing.hashing.Config()  # type: ignore[no-untyped-call]
+    config = model_signing.signing.Config()  # type: ignore[no-untyped-call]
+    try:
+        signer = config.use_elliptic_key_signer(private_key=pathlib.Path(args.sign_key))
+        signer.set_hashing_config(hashing.set_ignored_paths(paths=inside)).sign(model, out)
+    except Exception as exc:  # the library's own errors: a wrong key type, unreadable file
+        raise UsageError(f"{args.sign_key}: signing failed: {exc}") from None
+    print(f"OMS signature of {v.root} (key {args.sign_key}) -> {out}", file=sys.stderr)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    """Print a weightd manifest's or an OMS signature's files and digests, and who
+    signed it when a key or CA is given (an OMS signature is only read verified)."""
+    from ..trust.manifest import MAX_MANIFEST_BYTES, parse_manifest
+    from ..trust.oms import describe, load_signature, read_signature_file
+    from ..trust.signing import check_signature
+    from ..trust.verify import manifest_keys
+
+    raw = read_signature_file(args.file)
+    if b"dsseEnvelope" in raw[:MAX_MANIFEST_BYTES]:
+        if not (args.trust_key or args.trust_chain):
+            raise UsageError(
+                f"{args.file} is an OMS signature: give --trust-key or --trust-chain "
+                "(its statement means nothing until its signature verifies)"
+            )
+        statement = load_signature(args.file, raw, args.trust_key, args.trust_chain)
+        print(describe(statement))
+        print(f"  ignores  {', '.join(statement.ignore)}")
+        for name, digest in sorted(statement.files.items()):
+            print(f"  {digest}  {name}")
+        return 0
+    manifest = parse_manifest(args.file, raw[: MAX_MANIFEST_BYTES + 1])
+    if args.trust_key:
+        signer = check_signature(manifest, manifest_keys(args.trust_key))
+        print(f"weightd manifest {args.file}, signed by {signer.key_id} ({signer.path})")
+    else:
+        print(f"weightd manifest {args.file} (signature not checked: no --trust-key)")
+    print(f"  {count(len(manifest.tensors), 'tensor')} with their BLAKE3 digests")
+    for name, entry in sorted(manifest.files.items()):
+        print(f"  {entry.sha256}  {name}")
     return 0

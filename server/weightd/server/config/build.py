@@ -33,6 +33,9 @@ def verify_options(config: ServeConfig) -> VerifyOptions:
     return VerifyOptions(
         manifests=config.manifests(),
         trust_keys=trust.trust_key,
+        signatures=config.signatures(),
+        adapter_signatures=config.adapters.signatures(),
+        trust_chains=trust.trust_chain,
         trust_hf_cache=trust.trust_hf_cache,
         hash_cache_dir=hashes if trust.hash_cache else None,
         reverify=trust.reverify,
@@ -89,6 +92,7 @@ def autoload_policy(config: ServeConfig) -> AutoloadPolicy:
     return AutoloadPolicy(
         allow=adapters.autoload,
         digests=adapters.digests(),
+        signed=frozenset(adapters.signatures()),
         trust_roots=adapters.autoload_trust_roots,
     )
 

@@ -74,6 +74,11 @@ def _pinned_digest(text: str) -> Named:
 
 _MODEL: Final = Parsed(parse_named, "[NAME=]DIR or [NAME=]s3://BUCKET/PREFIX/")
 _MANIFEST: Final = Parsed(parse_named, "[NAME=]FILE")
+_ADAPTER_SIGNATURE: Final = (
+    "OpenSSF Model Signing signature an adapter loaded under NAME must match (a local "
+    "file or an s3:// object; checked with a trust-key or trust-chain; it then vouches "
+    "for the adapter as a pinned digest does); repeatable"
+)
 _LAYOUT: Final = Parsed(parse_declared, "[MODEL=]tp=N[,pp=N][,pp_layers=A+B][,ep=N][,vocab_pad=N]")
 
 
@@ -211,11 +216,27 @@ class TrustSection(Section):
         "s3:// manifest must be signed by a trust-key); repeatable",
         metavar="[NAME=]FILE",
     )
+    signature: tuple[Named, ...] = setting(
+        (),
+        Items(_MANIFEST),
+        "OpenSSF Model Signing signature (`model_signing sign`) a model must match, "
+        "checked with a trust-key (EC) or trust-chain (NAME= when serving several "
+        "models; a local file or an s3:// object); repeatable",
+        metavar="[NAME=]FILE",
+    )
     trust_key: tuple[str, ...] = setting(
         (),
         Items(Text()),
-        "Ed25519 public key (PEM or OpenSSH) a manifest must be signed by (repeatable)",
+        "public key (PEM) a manifest (Ed25519; OpenSSH too) or an OMS signature (EC "
+        "P-256/384/521) must be signed by (repeatable)",
         metavar="PUBKEY",
+    )
+    trust_chain: tuple[str, ...] = setting(
+        (),
+        Items(Text()),
+        "CA certificates (PEM) an OMS signature made with `model_signing sign "
+        "certificate` must chain to (repeatable)",
+        metavar="PEM",
     )
     trust_hf_cache: bool = setting(
         False,
@@ -403,6 +424,9 @@ class AdapterSection(Section):
         "expected_digest says for an operator's load); repeatable",
         metavar="NAME=sha256:HEX",
     )
+    signature: tuple[Named, ...] = setting(
+        (), Items(Parsed(parse_named, "NAME=FILE")), _ADAPTER_SIGNATURE, metavar="NAME=FILE"
+    )
     autoload_trust_roots: bool = setting(
         False,
         Flag(),
@@ -413,6 +437,10 @@ class AdapterSection(Section):
     def digests(self) -> dict[str, str]:
         """Pinned digest per adapter name."""
         return {d.name or "": d.value for d in self.digest}
+
+    def signatures(self) -> dict[str, str]:
+        """OMS signature per adapter name."""
+        return {d.name or "": d.value for d in self.signature}
 
 
 @dataclass
@@ -540,8 +568,37 @@ class ServeConfig:
                 )
         if "" in manifests and len(names) > 1:
             out.append(("trust.manifest", "name the model (NAME=FILE) when serving several models"))
-        if self.trust.trust_key and not manifests:
-            out.append(("trust.trust_key", "needs a manifest (the key signs a manifest)"))
+        signatures: dict[str, str] = {}
+        for m in self.trust.signature:
+            if m.name is not None and m.name not in names:
+                out.append(
+                    (
+                        "trust.signature",
+                        f"{m}: no model named {m.name!r} (serving: {', '.join(names)})",
+                    )
+                )
+            if (m.name or "") in signatures:
+                out.append(("trust.signature", f"two signatures for {m.name or 'the model'}"))
+            signatures[m.name or ""] = m.value
+        if "" in signatures and len(names) > 1:
+            out.append(
+                ("trust.signature", "name the model (NAME=FILE) when serving several models")
+            )
+        adapter_signed = self.adapters.signatures()
+        if "" in adapter_signed:
+            out.append(("adapters.signature", "name the adapter: NAME=FILE"))
+        if (signatures or adapter_signed) and not (self.trust.trust_key or self.trust.trust_chain):
+            out.append(
+                (
+                    "trust.signature",
+                    "needs a trust-key or trust-chain (a signature proves origin only "
+                    "against a key or CA you name)",
+                )
+            )
+        if self.trust.trust_key and not manifests and not signatures and not adapter_signed:
+            out.append(("trust.trust_key", "needs a manifest or signature (the key signs one)"))
+        if self.trust.trust_chain and not signatures and not adapter_signed:
+            out.append(("trust.trust_chain", "needs a signature (the CA vouches for its signer)"))
         pinned = [d.name for d in self.adapters.digest]
         if len(set(pinned)) != len(pinned):
             out.append(("adapters.digest", "two digests for one adapter name"))
@@ -560,6 +617,10 @@ class ServeConfig:
     def manifests(self) -> dict[str, str]:
         """Manifest per model name ("" for the one unnamed manifest)."""
         return {m.name or "": m.value for m in self.trust.manifest}
+
+    def signatures(self) -> dict[str, str]:
+        """OMS signature per model name ("" for the one unnamed signature)."""
+        return {m.name or "": m.value for m in self.trust.signature}
 
 
 __all__ = [

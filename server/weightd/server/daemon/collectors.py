@@ -69,10 +69,17 @@ class ModelCollector:
                 "Bytes of the model's shard files resident in the page cache (mincore).",
                 labels=["model"],
             ),
+            GaugeMetricFamily(
+                "weightd_model_trust",
+                "1 per served model: the trust root that proved its served version (kind: "
+                "oms-key, oms-certificate, manifest, manifest-unsigned, hf-cache, "
+                "object-store, none; root: DescribeModel's trust_root).",
+                labels=["model", "kind", "root"],
+            ),
         )
 
     def collect(self) -> Iterator[Metric]:
-        ready, tensor_bytes, mapped, resident = self._families()
+        ready, tensor_bytes, mapped, resident, trust = self._families()
         loaded = {m.name: m for m in self._registry.models()}
         for name in self._registry.names():
             ready.add_metric([name], 1.0 if self._registry.is_ready(name) else 0.0)
@@ -80,11 +87,13 @@ class ModelCollector:
             if model is None:
                 continue
             tensor_bytes.add_metric([name], float(model.checkpoint.total_bytes))
+            root = model.trust_root
+            trust.add_metric([name, root.partition(":")[0] or "none", root], 1.0)
             measured = self._residency(model)
             if measured is not None:
                 mapped.add_metric([name], float(measured[0]))
                 resident.add_metric([name], float(measured[1]))
-        yield from (ready, tensor_bytes, mapped, resident)
+        yield from (ready, tensor_bytes, mapped, resident, trust)
 
     def residency(self, model: LoadedModel) -> tuple[int, int] | None:
         """``(mapped, resident)`` bytes of ``model``'s shard files (None: not measurable)."""

@@ -55,6 +55,8 @@ class LoadedModel:
     file_digests: dict[str, FileDigest] = field(default_factory=dict)
     #: What the checkpoint was checked against (a signed manifest, cache blob names).
     trust: tuple[str, ...] = ()
+    #: Which trust root proved it, short (``Verification.trust_root``; "" none).
+    trust_root: str = ""
     #: Why the files on disk no longer hold this version (a shard replaced or removed),
     #: while it keeps serving its verified, still-open files; None when they do.
     stale: str | None = None
@@ -170,6 +172,7 @@ def load_model(
         tables=tuple(tables),
         file_digests=v.files,
         trust=tuple(v.trust),
+        trust_root=v.trust_root,
     )
 
 

@@ -172,6 +172,7 @@ class WeightsService:
                 state=state,
                 reason=reason,
                 version=m.version,
+                trust_root=m.trust_root,
             )
         return out
 
@@ -188,6 +189,7 @@ class WeightsService:
             total_bytes=ckpt.total_bytes,
             model_fingerprint=m.fingerprint,
             version=m.version,
+            trust_root=m.trust_root,
         )
         # Every file the load read and verified, so a client can prove a local copy
         # (vLLM's model directory) is this checkpoint. A shard's SHA-256 is present

@@ -30,7 +30,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, TextIO
 
@@ -44,6 +44,7 @@ from ..base.errors import (
     ObjectTooLarge,
     ObjectTruncated,
     RemoteTrustError,
+    SignatureSyntaxError,
     UsageError,
     WeightdError,
     echo,
@@ -55,6 +56,13 @@ from ..telemetry.progress import render_bar
 from ..trust.hashcache import CacheEntry, HashCache
 from ..trust.hashing import ShardDigests, TensorRange
 from ..trust.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from ..trust.oms import (
+    MAX_SIGNATURE_BYTES,
+    OmsStatement,
+    compare_files,
+    load_signature,
+    read_signature_file,
+)
 from ..trust.signing import check_signature, load_public_key
 from ..trust.verify import VerifyOptions, read_operator_file
 from .cache import JOURNAL, KEEP_VERSIONS, SourceDir, fingerprint
@@ -97,6 +105,14 @@ class _Manifest:
     manifest: Manifest
     origin: str  # as configured: a local path or an s3:// URI
     signed: bool
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """The SHA-256 each downloaded file must have, and who says so (for the message)."""
+
+    sha256: Mapping[str, str]
+    source: str  # "manifest M" / "OMS signature S"
 
 
 @dataclass(frozen=True)
@@ -254,7 +270,12 @@ class SourceResolver:
 
     def needs_resolving(self, name: str, source: str) -> bool:
         manifest = self.verify.manifest_for(name)
-        return is_remote(source) or (manifest is not None and is_remote(manifest))
+        signature = self.verify.signature_for(name)
+        return (
+            is_remote(source)
+            or (manifest is not None and is_remote(manifest))
+            or (signature is not None and is_remote(signature))
+        )
 
     def resolve_model(
         self, name: str, source: str, cancel: threading.Event | None = None
@@ -271,15 +292,22 @@ class SourceResolver:
     def _resolve_model(self, name: str, source: str, cancel: threading.Event | None) -> Resolved:
         found = self._manifest(name, source, cancel)
         manifest = found.manifest if found is not None else None
+        oms = self.signature(name, cancel=cancel)
         options = self.verify
         if manifest is not None:
             options = dataclasses.replace(
                 options, manifests={**options.manifests, name: manifest.path}
             )
+        if oms is not None:
+            options = dataclasses.replace(options, signatures={**options.signatures, name: oms[1]})
         if not is_remote(source):
             return Resolved(source, options, 0)
         location = parse_s3_uri(source)
-        trusted = found is not None and (found.signed or not is_remote(found.origin))
+        trusted = oms is not None or (
+            found is not None and (found.signed or not is_remote(found.origin))
+        )
+        if not trusted and self.options.trust_object_store:
+            options = dataclasses.replace(options, fallback_root="object-store")
         if not trusted and not self.options.trust_object_store:
             if found is not None:
                 raise RemoteTrustError(
@@ -295,11 +323,61 @@ class SourceResolver:
                 "by a --trust-key) made with `weightd manifest create`, or "
                 "--trust-object-store to serve whatever the bucket holds"
             )
-        objects = self._select_model_files(location, manifest, cancel)
+        if oms is not None:
+            objects = self._select_signed_files(location, oms[0], cancel)
+        else:
+            objects = self._select_model_files(location, manifest, cancel)
+        expected = (
+            _Expected(oms[0].files, f"OMS signature {oms[0].origin}") if oms is not None else None
+        )
         directory, fetched, source_dir = self._bring(
-            name, "model", location, objects, manifest, cancel
+            name, "model", location, objects, manifest, cancel, expected
         )
         return Resolved(directory, options, fetched, source_dir)
+
+    def signature(
+        self, name: str, *, adapter: bool = False, cancel: threading.Event | None = None
+    ) -> tuple[OmsStatement, str] | None:
+        """The OMS signature of model (or ``adapter``) ``name``, verified against
+        ``--trust-key`` / ``--trust-chain`` before anything else is read, and the local
+        file it was read from (an ``s3://`` one is kept in the cache, as manifests are)."""
+        if adapter:
+            path = self.verify.adapter_signatures.get(name)
+        else:
+            path = self.verify.signature_for(name)
+        if path is None:
+            return None
+        if is_remote(path):
+            location = parse_s3_uri(path.rpartition("/")[0] + "/")
+            raw = self._read_small(
+                location, path.rpartition("/")[2], MAX_SIGNATURE_BYTES, cancel, SignatureSyntaxError
+            )
+            statement = load_signature(path, raw, self.verify.trust_keys, self.verify.trust_chains)
+            cache = os.path.join(self.options.cache_dir, "manifests")
+            os.makedirs(cache, mode=0o700, exist_ok=True)
+            local = os.path.join(cache, hashlib.sha256(raw).hexdigest()[:32] + ".sig")
+            write_atomic(local, raw, mode=0o600)
+            return statement, local
+        raw = read_signature_file(path)
+        statement = load_signature(path, raw, self.verify.trust_keys, self.verify.trust_chains)
+        return statement, path
+
+    def _select_signed_files(
+        self, location: S3Location, statement: OmsStatement, cancel: threading.Event | None
+    ) -> list[RemoteObject]:
+        """The objects an OMS signature pins: the store's listing under the prefix must
+        be exactly its file list (ignore rules applied, the signature object itself
+        aside), refused before a single byte is downloaded otherwise."""
+        listed, _ = self.store.list(location, cancel)
+        own = statement.origin
+        by_name = {o.name: o for o in listed if location.object_uri(o.name) != own}
+        problems = compare_files(statement, location.uri.rstrip("/"), list(by_name), {})
+        if problems:
+            first = problems[0]
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            first.message += f"{more}; nothing was downloaded"
+            raise first
+        return [by_name[f] for f in sorted(statement.files)]
 
     def _manifest(
         self, name: str, source: str, cancel: threading.Event | None = None
@@ -332,15 +410,18 @@ class SourceResolver:
         return _Manifest(manifest, path, signed)
 
     def _read_small(
-        self, location: S3Location, name: str, limit: int, cancel: threading.Event | None = None
+        self,
+        location: S3Location,
+        name: str,
+        limit: int,
+        cancel: threading.Event | None = None,
+        too_large: type[CheckpointError] = ManifestSyntaxError,
     ) -> bytes:
         """A small object whole, in memory: at most ``limit`` bytes, whatever the store
         announces or sends (the GET asks for the HEAD's size and reads no more)."""
         obj = self.store.head(location, name, cancel)
         if obj.size > limit:
-            raise ManifestSyntaxError(
-                location.object_uri(name), f"larger than the {limit}-byte limit"
-            )
+            raise too_large(location.object_uri(name), f"larger than the {limit}-byte limit")
         data = (
             b"".join(self.store.get_range(location, obj, 0, obj.size, 1 << 20, cancel=cancel))
             if obj.size
@@ -410,14 +491,15 @@ class SourceResolver:
         roots: Sequence[S3Location],
         expected_digest: str | None,
         admit: Callable[[Sequence[RemoteObject]], None] | None = None,
+        statement: OmsStatement | None = None,
     ) -> Resolved:
         """The adapter's version directory for an ``s3://`` adapter under one of
-        ``roots``. Without ``expected_digest`` the adapter is accepted only with
-        ``--trust-object-store`` (the digest is its trust root). ``admit(objects)`` judges
+        ``roots``. Without ``expected_digest`` or an OMS ``statement`` (verified) the
+        adapter is accepted only with ``--trust-object-store``. ``admit(objects)`` judges
         the sizes the store gives against every limit and budget before the first GET:
         what it refuses is never downloaded."""
         with self._accounted():
-            return self._resolve_adapter(source, roots, expected_digest, admit)
+            return self._resolve_adapter(source, roots, expected_digest, admit, statement)
 
     def _resolve_adapter(
         self,
@@ -425,8 +507,29 @@ class SourceResolver:
         roots: Sequence[S3Location],
         expected_digest: str | None,
         admit: Callable[[Sequence[RemoteObject]], None] | None,
+        statement: OmsStatement | None = None,
     ) -> Resolved:
         location = adapter_location(source, tuple(roots))
+        if statement is not None:
+            unsigned = [f for f in ADAPTER_FILES if f not in statement.files]
+            if unsigned:
+                raise ManifestMismatchError(
+                    location.object_uri(unsigned[0]),
+                    f"is not in OMS signature {statement.origin}; nothing was downloaded",
+                )
+            objects = self._select_signed_files(location, statement, None)
+            if admit is not None:
+                admit(objects)
+            directory, fetched, source_dir = self._bring(
+                location.uri,
+                "adapter",
+                location,
+                objects,
+                None,
+                None,
+                _Expected(statement.files, f"OMS signature {statement.origin}"),
+            )
+            return Resolved(directory, None, fetched, source_dir)
         if expected_digest is None and not self.options.trust_object_store:
             raise RemoteTrustError(
                 f"adapter {location.uri} comes from an object store, which is not a trust root: "
@@ -451,14 +554,19 @@ class SourceResolver:
         objects: list[RemoteObject],
         manifest: Manifest | None,
         cancel: threading.Event | None = None,
+        expected: _Expected | None = None,
     ) -> tuple[str, int, str]:
         if not self.options.cache_dir:
             raise UsageError(f"{location.uri}: remote sources need a cache directory (--cache-dir)")
         started = time.monotonic()
         fetched = [0]  # what this download received, failed or not (set by _download)
         try:
+            if expected is None and manifest is not None:
+                expected = _Expected(
+                    {f: e.sha256 for f, e in manifest.files.items()}, f"manifest {manifest.path}"
+                )
             directory, outcome, source_dir = self._download(
-                name, kind, location, objects, manifest, fetched, cancel
+                name, kind, location, objects, manifest, fetched, cancel, expected
             )
         except BaseException as exc:
             logs.event(
@@ -497,6 +605,7 @@ class SourceResolver:
         manifest: Manifest | None,
         fetched: list[int],
         cancel: threading.Event | None,
+        expected: _Expected | None = None,
     ) -> tuple[str, str, str]:
         settings = self.options.download
         fp = fingerprint(objects)
@@ -525,12 +634,16 @@ class SourceResolver:
 
             plain_md5 = {o.name for o in objects if _PLAIN_MD5.match(o.etag)}
             hasher = TensorChecker(
-                location, manifest, journal.part_bytes, frozenset() if manifest else plain_md5
+                location,
+                manifest,
+                journal.part_bytes,
+                frozenset() if expected else plain_md5,
+                sha256=expected is not None,
             )
             hashes: dict[str, FileHashes] = {}
 
             def check_file(obj: RemoteObject, path: str) -> None:
-                hashes[obj.name] = self._check_file(location, obj, path, manifest, hasher)
+                hashes[obj.name] = self._check_file(location, obj, path, expected, hasher)
 
             download = Download(
                 self.store,
@@ -587,23 +700,24 @@ class SourceResolver:
         location: S3Location,
         obj: RemoteObject,
         path: str,
-        manifest: Manifest | None,
+        expected: _Expected | None,
         hasher: TensorChecker,
     ) -> FileHashes:
-        """The file's hashes from the download's one pass, compared with the manifest's
-        SHA-256 (or a plain-MD5 ETag without one) before the file is renamed in."""
+        """The file's hashes from the download's one pass, compared with the SHA-256 the
+        manifest or OMS signature gives (or a plain-MD5 ETag without either) before the
+        file is renamed in."""
         uri = location.object_uri(obj.name)
         size = os.path.getsize(path)
         if size != obj.size:
             raise ObjectTruncated(uri, f"{size} bytes on disk, the object is {obj.size}")
         got = hasher.finish(obj, path)
-        if manifest is not None:
-            want = manifest.files[obj.name].sha256
+        if expected is not None:
+            want = expected.sha256[obj.name]
             if got.sha256 != want:
                 raise DigestMismatchError(
                     uri,
-                    f"sha256 is {got.sha256}, manifest {manifest.path} says {want}: the bucket "
-                    "does not hold the manifest's bytes; refused before serving (the download "
+                    f"sha256 is {got.sha256}, {expected.source} says {want}: the bucket "
+                    "does not hold the signed bytes; refused before serving (the download "
                     "stopped here)",
                 )
             return got

@@ -81,9 +81,12 @@ class TensorChecker:
         manifest: Manifest | None,
         part_bytes: int,
         md5: AbstractSet[str] = frozenset(),
+        sha256: bool = False,
     ) -> None:
         self.location = location
         self.manifest = manifest
+        #: Each file's SHA-256 (a manifest's, or an OMS signature's to compare with).
+        self._sha256 = sha256 or manifest is not None
         self.part_bytes = part_bytes
         self._md5 = md5
         self._files: dict[str, _File] = {}
@@ -99,7 +102,7 @@ class TensorChecker:
             f = self._files.get(obj.name)
             if f is None:
                 f = self._files[obj.name] = _File()
-                if self.manifest is not None:
+                if self._sha256:
                     f.sha256 = hashlib.sha256()
                 elif obj.name in self._md5:
                     f.md5 = hashlib.md5(usedforsecurity=False)

@@ -5,12 +5,15 @@ publishes only when the problem list is empty) and ``weightd verify`` (which pri
 it). It goes as far as it usefully can and collects every problem on the way:
 
 1. trust sources: the manifest is parsed and its signature checked before anything
-   is hashed (a bad signature makes hashing pointless);
+   is hashed (a bad signature makes hashing pointless); an OpenSSF Model Signing
+   signature is verified on a thread beside steps 2-4 (:class:`~.oms.PendingSignature`)
+   and waited for before step 5;
 2. structure: index, every shard header, cross-checks (see :mod:`weightd.server.checkpoint.scan`);
 3. config: parameter names, shapes and dtypes (see :mod:`weightd.server.checkpoint.config_check`);
 4. digests: one pass per shard for SHA-256 and per-tensor BLAKE3 (or the hash
    cache, when the shard's fstat key is unchanged);
-5. comparison with the manifest and/or the Hugging Face cache blob names.
+5. comparison with the manifest, the OMS signature (:func:`~.oms.compare_directory`)
+   and/or the Hugging Face cache blob names.
 
 Digests are computed only for a structurally sound checkpoint; the report says so
 when they were skipped.
@@ -23,11 +26,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..base.cleanup import closing
-from ..base.errors import CheckpointError, ManifestSyntaxError, WeightdError
+from ..base.errors import CheckpointError, KeyFileError, ManifestSyntaxError, WeightdError
 from ..base.readfile import ReadRefused, read_bounded
 from ..base.words import count
 from ..checkpoint.config_check import check_layout
@@ -47,6 +50,7 @@ from .hfcache import (
     snapshot_of,
 )
 from .manifest import MAX_MANIFEST_BYTES, FileDigest, Manifest, compare, parse_manifest
+from .oms import OmsStatement, PendingSignature, compare_directory, describe, is_ec_key
 from .signing import TrustedKey, check_signature, load_public_key
 
 log = logging.getLogger("weightd.verify")
@@ -59,7 +63,14 @@ class VerifyOptions:
     #: Manifest per model name ("" applies to any model without its own).
     manifests: Mapping[str, str] = field(default_factory=dict)
     #: Public keys (files) a manifest must be signed by; empty: signatures not required.
+    #: EC keys among them check OMS signatures, Ed25519 ones weightd manifests.
     trust_keys: tuple[str, ...] = ()
+    #: OMS signature (``model_signing sign``) per model name ("" as for manifests).
+    signatures: Mapping[str, str] = field(default_factory=dict)
+    #: OMS signature per adapter name (exact names only).
+    adapter_signatures: Mapping[str, str] = field(default_factory=dict)
+    #: CA certificates (PEM files) an OMS ``certificate`` signature must chain to.
+    trust_chains: tuple[str, ...] = ()
     #: Require the checkpoint to be a Hugging Face cache snapshot whose blob names match.
     trust_hf_cache: bool = False
     #: Directory of the hash cache; None: no cache.
@@ -80,9 +91,15 @@ class VerifyOptions:
     #: daemon sets it when a signal stops start-up, whose loads run on threads of their
     #: own that the signal does not reach.
     cancel: threading.Event | None = field(default=None, compare=False)
+    #: The trust root reported when no source above proved the version (a remote one
+    #: served with ``--trust-object-store``: "object-store").
+    fallback_root: str = ""
 
     def manifest_for(self, name: str) -> str | None:
         return self.manifests.get(name) or self.manifests.get("")
+
+    def signature_for(self, name: str) -> str | None:
+        return self.signatures.get(name) or self.signatures.get("")
 
 
 @dataclass
@@ -101,6 +118,14 @@ class Verification:
     hashed_bytes: int = 0
     hash_seconds: float = 0.0
     trust: list[str] = field(default_factory=list)  # what the checkpoint was checked against
+    #: The trust root that proved the version, short (DescribeModel, metrics, list):
+    #: "oms-key:sha256:...", "oms-certificate:CN=...", "manifest:ed25519:...",
+    #: "manifest-unsigned", "hf-cache", "" (only the digests computed at load).
+    trust_root: str = ""
+    #: Every file an OMS signature pins, with the SHA-256 it was found to have.
+    signed_files: dict[str, str] = field(default_factory=dict)
+    #: Records what was hashed in the hash cache; called only when everything holds.
+    cache_write: Callable[[], None] | None = None
     config_summary: str = ""  # what the config check covered
 
     @property
@@ -126,35 +151,56 @@ def read_operator_file(path: str, limit: int, error: type[CheckpointError]) -> b
         raise error(path, exc.reason) from None
 
 
-def _prepare_trust(
-    v: Verification, options: VerifyOptions
-) -> tuple[Manifest | None, Snapshot | None, bool]:
-    """Load the manifest (signature checked) and the snapshot. False: trust failed."""
+def manifest_keys(paths: Sequence[str]) -> list[TrustedKey]:
+    """The Ed25519 keys among ``--trust-key`` (the EC ones are for OMS signatures)."""
+    return [load_public_key(k) for k in paths if not is_ec_key(k)]
+
+
+@dataclass
+class _Trust:
+    """The trust sources, loaded and checked before anything is hashed."""
+
+    manifest: Manifest | None = None
+    snapshot: Snapshot | None = None
+    oms: OmsStatement | None = None
+    ok: bool = True
+
+
+def _prepare_trust(v: Verification, options: VerifyOptions) -> _Trust:
+    """Load the manifest (signature checked), the OMS signature (verified) and the
+    snapshot. ``ok`` False: trust failed."""
     manifest_path = options.manifest_for(v.name)
-    manifest = None
-    snapshot = None
+    t = _Trust()
     try:
-        keys: list[TrustedKey] = [load_public_key(k) for k in options.trust_keys]
+        keys = manifest_keys(options.trust_keys) if manifest_path is not None else []
         if manifest_path is not None:
             raw = read_operator_file(manifest_path, MAX_MANIFEST_BYTES, ManifestSyntaxError)
-            manifest = parse_manifest(manifest_path, raw)
+            t.manifest = parse_manifest(manifest_path, raw)
             if keys:
-                signer = check_signature(manifest, keys)
+                signer = check_signature(t.manifest, keys)
                 v.trust.append(
                     f"manifest {manifest_path}, signed by {signer.key_id} ({signer.path})"
+                )
+                v.trust_root = f"manifest:{signer.key_id}"
+            elif options.trust_keys:
+                raise KeyFileError(
+                    options.trust_keys[0],
+                    "no --trust-key is an Ed25519 key, which a weightd manifest is signed with",
                 )
             else:
                 v.trust.append(f"manifest {manifest_path} (signature not checked: no --trust-key)")
                 v.notes.append(
                     "the manifest's signature was not checked: it proves integrity, not origin"
                 )
+                v.trust_root = "manifest-unsigned"
         if options.trust_hf_cache:
-            snapshot = snapshot_of(v.root)
-            v.trust.append(f"Hugging Face cache blobs of {snapshot.repo} @ {snapshot.revision}")
+            t.snapshot = snapshot_of(v.root)
+            v.trust.append(f"Hugging Face cache blobs of {t.snapshot.repo} @ {t.snapshot.revision}")
+            v.trust_root = v.trust_root or "hf-cache"
     except CheckpointError as exc:
         v.problems.append(exc)
-        return None, None, False
-    return manifest, snapshot, True
+        t.ok = False
+    return t
 
 
 def verify_checkpoint(
@@ -169,7 +215,38 @@ def verify_checkpoint(
     model_name = name or os.path.basename(root)
     placeholder = ShardStore(root)
     v = Verification(root, model_name, placeholder, None, [])
-    manifest, snapshot, trusted = _prepare_trust(v, options)
+    signature = options.signature_for(model_name)
+    pending = (
+        PendingSignature(signature, options.trust_keys, options.trust_chains)
+        if signature is not None
+        else None
+    )
+    try:
+        _verify(v, model_dir, options, pending)
+    finally:
+        if pending is not None and not pending.settled:  # an early return: still reported
+            _settle(v, pending)
+    return v
+
+
+def _settle(v: Verification, pending: PendingSignature) -> OmsStatement | None:
+    """The OMS signature's outcome into ``v``: its trust line, or its problem."""
+    got = pending.result()
+    if isinstance(got, WeightdError):
+        v.problems.append(got)
+        return None
+    v.trust.append(describe(got))
+    v.trust_root = got.root
+    return got
+
+
+def _verify(
+    v: Verification, model_dir: str, options: VerifyOptions, pending: PendingSignature | None
+) -> None:
+    """:func:`verify_checkpoint`'s steps, with ``pending`` verifying meanwhile."""
+    root, model_name = v.root, v.name
+    t = _prepare_trust(v, options)
+    manifest, snapshot, trusted = t.manifest, t.snapshot, t.ok
     directory = None
     if snapshot is not None:
         try:
@@ -177,7 +254,7 @@ def verify_checkpoint(
         except CheckpointError as exc:
             v.problems.append(exc)
             v.notes.append("digests not computed: fix the problems above first")
-            return v
+            return
     scan = scan_checkpoint(model_dir, model_name, directory=directory)
     # Where the descriptor the files were read by points (model_dir may be a link that
     # an operator flipped since ``root`` was resolved above).
@@ -198,18 +275,18 @@ def verify_checkpoint(
     ckpt = scan.checkpoint
     if ckpt is None or v.problems or not trusted:
         v.notes.append("digests not computed: fix the problems above first")
-        return v
+        return
     if not options.digests:
         v.notes.append("digests not computed: structure only, as asked")
-        return v
+        return
     need_sha256 = options.file_sha256
     if need_sha256 is None:
-        need_sha256 = manifest is not None or snapshot is not None
+        need_sha256 = manifest is not None or snapshot is not None or pending is not None
     try:
         shard_digests = _digests(v, ckpt, scan.store, options, snapshot is not None, need_sha256)
     except WeightdError as exc:  # a shard changed or shrank while it was read
         v.problems.append(exc)
-        return v
+        return
     for shard, d in shard_digests.items():
         if d.sha256:
             v.files[shard] = FileDigest(d.size, d.sha256)
@@ -218,6 +295,10 @@ def verify_checkpoint(
         v.files[small.name] = FileDigest(small.size, small.sha256)
     if manifest is not None:
         v.problems.extend(compare(manifest, ckpt, v.files, v.tensor_digests))
+    if pending is not None:
+        statement = _settle(v, pending)
+        if statement is not None:
+            v.problems.extend(compare_directory(statement, root, v.files, v.signed_files))
     if snapshot is not None:
         hashed = {
             s: HashedFile(scan.store.shard(s).real_path, d.sha256, d.git_sha1)
@@ -230,7 +311,9 @@ def verify_checkpoint(
         v.checkpoint = None
     else:
         v.checkpoint = ckpt
-    return v
+        v.trust_root = v.trust_root or options.fallback_root
+        if v.cache_write is not None:
+            v.cache_write()
 
 
 def _check_links(snapshot: Snapshot, scan: Scan) -> list[WeightdError]:
@@ -295,19 +378,20 @@ def _digests(
     v.hashed_bytes = total
     out.update(hashed)
     if cache is not None and hashed:
-        cache.update(
-            {
-                # The identity at open, which the pass proved unchanged after reading
-                # (a fresh fstat here could pair a newer file with older digests).
-                shard: CacheEntry(
-                    store.shard(shard).real_path,
-                    store.shard(shard).identity,
-                    tuple(sorted(ranges[shard], key=lambda r: r.offset)),
-                    d,
-                )
-                for shard, d in hashed.items()
-            }
-        )
+        # Written once the whole verification holds (_verify): a refused checkpoint
+        # leaves nothing in the cache.
+        entries = {
+            # The identity at open, which the pass proved unchanged after reading
+            # (a fresh fstat here could pair a newer file with older digests).
+            shard: CacheEntry(
+                store.shard(shard).real_path,
+                store.shard(shard).identity,
+                tuple(sorted(ranges[shard], key=lambda r: r.offset)),
+                d,
+            )
+            for shard, d in hashed.items()
+        }
+        v.cache_write = functools.partial(cache.update, entries)
     if jobs:
         log.info(
             "hashed %s: %s, %.2f GiB in %.2fs (%.2f GB/s, %s)%s",
