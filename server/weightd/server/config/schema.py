@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from ..adapters.autoload import check_component, check_digest, check_pattern
 from ..plan.declared import DeclaredLayout, parse_declared
+from ..registry.versions import HoldBounds
 from ..rpc.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from ..sources.bounds import StoreBounds
 from ..sources.download import DownloadSettings
@@ -34,6 +35,7 @@ LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 _S3_DOWNLOAD: Final = DownloadSettings()
 _S3: Final = S3Settings()
 _BOUNDS: Final = StoreBounds()
+_HOLDS: Final = HoldBounds()
 
 
 @dataclass(frozen=True)
@@ -369,6 +371,48 @@ class LocalSection(Section):
 
 
 @dataclass
+class VersionsSection(Section):
+    """Model versions: what engines' holds (HoldVersion) may keep."""
+
+    table = "versions"
+    flag_prefix = "versions-"
+
+    max_old: int = setting(
+        _HOLDS.max_old,
+        Integer(),
+        "older versions of a model kept while holds name them, besides the current one; a "
+        "publish past it drops the oldest, holds and all (each keeps its checkpoint files "
+        "open and its packs in shared memory)",
+        check=not_negative,
+    )
+    max_holds_per_client: int = setting(
+        _HOLDS.max_holds_per_client,
+        Integer(),
+        "holds one client (a TCP peer address, or the Unix socket) may have at once; one "
+        "more ends that client's oldest hold",
+        check=at_least(1),
+    )
+    max_holds: int = setting(
+        _HOLDS.max_holds,
+        Integer(),
+        "holds outstanding at once in all; one more ends the oldest hold of the client "
+        "holding the most",
+        check=at_least(1),
+    )
+    max_hold_seconds: float = setting(
+        _HOLDS.max_hold_seconds,
+        Seconds(),
+        "the longest TTL a hold may ask for (a holder that dies lets go after it)",
+        check=positive,
+    )
+
+    def bounds(self) -> HoldBounds:
+        return HoldBounds(
+            self.max_old, self.max_holds, self.max_holds_per_client, self.max_hold_seconds
+        )
+
+
+@dataclass
 class AdapterSection(Section):
     """LoRA adapters."""
 
@@ -488,6 +532,7 @@ class ServeConfig:
     trust: TrustSection = field(default_factory=TrustSection)
     s3: S3Section = field(default_factory=S3Section)
     local: LocalSection = field(default_factory=LocalSection)
+    versions: VersionsSection = field(default_factory=VersionsSection)
     adapters: AdapterSection = field(default_factory=AdapterSection)
 
     def get(self, path: str) -> Any:
@@ -575,5 +620,6 @@ __all__ = [
     "ServerSection",
     "TlsSection",
     "TrustSection",
+    "VersionsSection",
     "parse_named",
 ]

@@ -269,7 +269,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             autoload_slots=max(1, server_config.max_workers // 4),
         )
         adapters = Adapters(adapter_service)
-        versions = create_versions(registry)
+        versions = create_versions(registry, config.versions.bounds())
         service = WeightsService(
             registry,
             server_config.chunk_bytes,
@@ -326,7 +326,9 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             adapter_service.metrics = adapter_metrics(
                 metrics_registry, adapter_service, daemon.local
             )
-            metrics_registry.register(VersionCollector(versions.versions.held))
+            metrics_registry.register(
+                VersionCollector(versions.versions.held, versions.versions.evictions)
+            )
         if warning:
             log.warning("%s", warning)
         if admin_address is not None:
