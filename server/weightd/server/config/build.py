@@ -99,6 +99,7 @@ def prebuild_options(config: ServeConfig) -> PrebuildOptions:
     return PrebuildOptions(
         declared=config.layout,
         remember=local.remember_layouts and bool(config.cache_dir),
+        max_remembered=local.max_remembered_layouts,
         drop_shard_pages=local.drop_shard_pages,
         threads=local.pack_build_threads or None,
     )

@@ -25,6 +25,7 @@ from ..sources.s3 import S3Settings
 from ..transports.options import (
     DEFAULT_CUDA_BUDGET_BYTES,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_REMEMBERED,
     DEFAULT_REQUEST_SECONDS,
     DEFAULT_TTL_SECONDS,
 )
@@ -355,6 +356,14 @@ class LocalSection(Section):
         Flag(),
         "remember the layouts workers ask for (in cache-dir) and build their packs at the "
         "next load, like --layout",
+    )
+    max_remembered_layouts: int = setting(
+        DEFAULT_MAX_REMEMBERED,
+        Integer(),
+        "remembered layouts built at a load or publish besides the declared ones, most "
+        "recently asked first (any worker's ask is remembered: declare the layouts your "
+        "engines need with --layout, which are always built)",
+        check=not_negative,
     )
     drop_shard_pages: bool = setting(
         True,

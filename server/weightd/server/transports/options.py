@@ -62,6 +62,10 @@ class LocalConfig:
         return self.pin_budget_bytes if self.pin_budget_bytes > 0 else self.resolved_host_budget()
 
 
+#: Default of ``local.max_remembered_layouts``.
+DEFAULT_MAX_REMEMBERED: Final = 2
+
+
 @dataclass(frozen=True)
 class PrebuildOptions:
     """What ``weightd serve`` says about declared layouts (built in ``config/build.py``)."""
@@ -69,6 +73,10 @@ class PrebuildOptions:
     declared: tuple[DeclaredLayout, ...] = ()
     #: Remember the layouts workers ask for, and build them at the next load.
     remember: bool = True
+    #: Remembered layouts built at a load or publish besides the declared ones: what
+    #: any worker asked for is remembered, so this bounds what a client can make
+    #: every later load build (most recently asked first).
+    max_remembered: int = DEFAULT_MAX_REMEMBERED
     #: Drop a model's shard pages from the page cache once its declared packs are built.
     drop_shard_pages: bool = True
     #: Threads a layout's build uses (None: every core).
