@@ -35,6 +35,7 @@ from typing import Final
 
 from ..base.atomicio import write_atomic
 from ..base.errors import SourceCancelled
+from ..base.redact import redact
 from .download import part_name
 from .journal import Journal, load_journal
 from .location import S3Location
@@ -98,7 +99,8 @@ class SourceDir:
         _mkdir_private(root)
         path = os.path.join(root, source_id(endpoint, location))
         _mkdir_private(path)
-        info = {"endpoint": endpoint, "bucket": location.bucket, "prefix": location.prefix}
+        shown = redact(endpoint) if endpoint else endpoint  # a file anyone may cat or back up
+        info = {"endpoint": shown, "bucket": location.bucket, "prefix": location.prefix}
         write_atomic(os.path.join(path, "source.json"), json.dumps(info).encode(), mode=0o600)
         with cls.locked(path, cancel) as held:
             yield held
