@@ -54,9 +54,11 @@ def test_publish_error_details_escape_what_the_client_sent(
 
 
 def test_load_adapter_error_details_escape_the_source(daemon: RunningDaemon) -> None:
-    with AdminClient(daemon.address("admin"), timeout=60) as admin:
-        with pytest.raises(WeightdError) as caught:
-            admin.load_adapter("a", HOSTILE, model="demo")
+    with (
+        AdminClient(daemon.address("admin"), timeout=60) as admin,
+        pytest.raises(WeightdError) as caught,
+    ):
+        admin.load_adapter("a", HOSTILE, model="demo")
     assert _raw_in(str(caught.value)) == [], str(caught.value)
     log = daemon.log()
     assert not any(line.startswith("FAKE") for line in log.splitlines())

@@ -38,11 +38,13 @@ def test_a_client_asking_many_layouts_never_makes_a_load_build_more_than_the_bou
     demo_model: Path, tmp_path: Path
 ) -> None:
     declared = ["--layout", "tp=2"]
-    with run_daemon(tmp_path, [("demo", demo_model)], declared) as daemon:
-        with WeightClient(daemon.target, timeout=120) as client:
-            for i in range(ASKED):
-                layout = Layout(tp_size=1, tp_rank=0, vocab_pad=64 * (i + 1))
-                client.fetch_layout(layout, model="demo", transport="shm")
+    with (
+        run_daemon(tmp_path, [("demo", demo_model)], declared) as daemon,
+        WeightClient(daemon.target, timeout=120) as client,
+    ):
+        for i in range(ASKED):
+            layout = Layout(tp_size=1, tp_rank=0, vocab_pad=64 * (i + 1))
+            client.fetch_layout(layout, model="demo", transport="shm")
     memory = list((tmp_path / "cache" / "layouts").glob("*.json"))
     assert len(memory) == 1 and memory[0].read_text().count('"tp"') >= ASKED
     with run_daemon(tmp_path, [("demo", demo_model)], declared) as daemon:
