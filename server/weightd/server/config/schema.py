@@ -365,6 +365,13 @@ class LocalSection(Section):
         "engines need with --layout, which are always built)",
         check=not_negative,
     )
+    forget_layouts_after: float = setting(
+        7 * 24 * 3600.0,
+        Seconds(),
+        "seconds after a remembered layout was last asked for that it is forgotten (no "
+        "longer built at a load; 0: never)",
+        check=not_negative,
+    )
     drop_shard_pages: bool = setting(
         True,
         Flag(),
