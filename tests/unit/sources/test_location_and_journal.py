@@ -111,6 +111,7 @@ def test_journal_round_trip_and_missing_ranges() -> None:
         b' "done": {"x": [[0, 4]]}, "complete": []}',
         b'{"format": "weightd-download-journal", "version": 1, "part_bytes": 4, "pins": {},'
         b' "done": {}, "complete": ["x"]}',
+        b"[" * 100_000,  # nested too deep
     ],
 )
 def test_unusable_journals_are_discarded(raw: bytes) -> None:

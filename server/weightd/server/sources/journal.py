@@ -108,7 +108,7 @@ def parse_journal(raw: bytes) -> Journal | None:
         if not complete <= pins.keys():
             return None
         return Journal(pins, part, done, complete)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # nested too deep: not one
         return None
 
 
