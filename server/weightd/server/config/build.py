@@ -52,6 +52,7 @@ def local_config(config: ServeConfig) -> LocalConfig:
         cuda_ipc=local.cuda_ipc,
         cuda_budget_bytes=local.cuda_budget_bytes,
         max_connections=local.side_max_connections,
+        max_connections_per_user=local.side_max_connections_per_user,
         request_seconds=local.side_request_seconds,
     )
 

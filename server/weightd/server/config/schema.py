@@ -345,6 +345,15 @@ class LocalSection(Section):
         "RESOURCE_EXHAUSTED",
         check=at_least(1),
     )
+    side_max_connections_per_user: int = setting(
+        0,
+        Integer(),
+        "side-socket connections one user other than the daemon's (the peer's uid) may hold "
+        "at once, beyond which that user's new ones are refused with RESOURCE_EXHAUSTED (0: "
+        "half of side-max-connections), so no member of the daemon's group can take every "
+        "lease slot from the daemon's own engines",
+        check=not_negative,
+    )
     side_request_seconds: float = setting(
         DEFAULT_REQUEST_SECONDS,
         Seconds(),

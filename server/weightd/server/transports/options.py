@@ -52,6 +52,15 @@ class LocalConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     #: Seconds a connection has, from connecting, to deliver its whole request.
     request_seconds: float = DEFAULT_REQUEST_SECONDS
+    #: Connections one user other than the daemon's (the peer's uid) may hold at once;
+    #: 0: half of ``max_connections``, so another user of the daemon's group never
+    #: takes them all from the daemon's own engines.
+    max_connections_per_user: int = 0
+
+    def resolved_per_user(self) -> int:
+        if self.max_connections_per_user > 0:
+            return min(self.max_connections_per_user, self.max_connections)
+        return max(1, self.max_connections // 2)
 
     def resolved_host_budget(self) -> int:
         if self.host_budget_bytes > 0:
