@@ -124,6 +124,20 @@ class ServerSection(Section):
         "cancel a server stream whose client has taken no message for this long (0: off)",
         check=not_negative,
     )
+    max_connections: int = setting(
+        0,
+        Integer(),
+        "worker connections kept at once, in all (gRPC has no per-peer hook); past it new "
+        "ones are closed at once (0: a quarter of the open-file limit, at most 4096)",
+        check=not_negative,
+    )
+    connection_idle_seconds: float = setting(
+        300.0,
+        Seconds(),
+        "close a worker connection with no RPC for this long (clients reconnect by "
+        "themselves; 0: never)",
+        check=not_negative,
+    )
     reflection: bool = setting(False, Flag(), "serve gRPC server reflection")
     #: Extra gRPC server options (tests only): no flag, key or variable.
     extra_options: tuple[tuple[str, int], ...] = ()

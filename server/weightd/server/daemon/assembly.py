@@ -246,6 +246,9 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         options = [
             ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
             ("grpc.max_receive_message_length", 1 << 20),  # requests are small
+            *listeners.connection_options(
+                server_config.max_connections, server_config.connection_idle_seconds
+            ),
             *server_config.extra_options,
         ]
         server = grpc.server(
