@@ -28,6 +28,7 @@ from ..registry.models import LoadedModel, ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.guards import AdminGate
 from ..rpc.interceptors import InflightTracker, RpcObserver
+from ..rpc.peers import connection_options
 from ..rpc.requests import RequestGuard
 from ..rpc.streams import StreamBounds, StreamWatchdog
 from ..rpc.versions import Versions
@@ -246,7 +247,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         options = [
             ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
             ("grpc.max_receive_message_length", 1 << 20),  # requests are small
-            *listeners.connection_options(
+            *connection_options(
                 server_config.max_connections, server_config.connection_idle_seconds
             ),
             *server_config.extra_options,

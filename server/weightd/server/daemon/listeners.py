@@ -7,7 +7,6 @@ decisions' details (default admin socket, port binding errors, reflection) live 
 from __future__ import annotations
 
 import os
-import resource
 from collections.abc import Callable
 from concurrent import futures
 from importlib import metadata
@@ -25,15 +24,17 @@ from ..rpc.adapters import Adapters
 from ..rpc.admin import create_admin_server
 from ..rpc.health import ListenerHealth
 from ..rpc.interceptors import RpcObserver
+from ..rpc.peers import (
+    SMALL_LISTENER_CONNECTIONS,
+    SMALL_LISTENER_IDLE_SECONDS,
+    connection_options,
+)
 from ..rpc.requests import RequestGuard
 from ..rpc.streams import StreamBounds, StreamWatchdog
 from ..rpc.versions import Versions
 from .addresses import Address, parse_address
 from .security import TlsMaterial
 from .sockets import restrict_socket
-
-#: The most connections a listener keeps by default (``server.max_connections`` 0).
-MAX_CONNECTIONS_DEFAULT: Final = 4096
 
 
 def version() -> str:
@@ -126,26 +127,6 @@ ADMIN_MAX_STREAMS: Final = 1
 RESERVED_THREADS: Final = 4
 
 
-def connection_options(max_connections: int, idle_seconds: float) -> list[tuple[str, int]]:
-    """gRPC options bounding the connections a listener keeps.
-
-    ``max_connections`` (0: a quarter of the open-file limit, at most
-    :data:`MAX_CONNECTIONS_DEFAULT`): past it gRPC closes new connections at once, so a
-    client that opens connections in a loop cannot take every descriptor the daemon
-    needs for its shards, packs and side socket. ``idle_seconds``: a connection with
-    no RPC for that long is closed (a client reconnects by itself), so idle ones do
-    not hold slots. gRPC's server has no per-peer hook, so this bound is in total.
-    """
-    if max_connections <= 0:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        limit = soft if soft != resource.RLIM_INFINITY else MAX_CONNECTIONS_DEFAULT * 4
-        max_connections = max(16, min(MAX_CONNECTIONS_DEFAULT, limit // 4))
-    options = [("grpc.max_allowed_incoming_connections", max_connections)]
-    if idle_seconds > 0:
-        options.append(("grpc.max_connection_idle_ms", int(idle_seconds * 1000)))
-    return options
-
-
 def worker_pool(max_workers: int) -> futures.ThreadPoolExecutor:
     """The worker listener's threads: ``max_workers`` for streams, a reserve for the rest."""
     return futures.ThreadPoolExecutor(
@@ -170,7 +151,11 @@ def health_server(
             RequestGuard(),
             StreamBounds(watchdog, HEALTH_MAX_WATCHES, "health"),
         ],
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4 << 10)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", 4 << 10),
+            *connection_options(SMALL_LISTENER_CONNECTIONS, SMALL_LISTENER_IDLE_SECONDS),
+        ],
         maximum_concurrent_rpcs=16,
     )
     health_pb2_grpc.add_HealthServicer_to_server(ListenerHealth(servicer, worker), server)
