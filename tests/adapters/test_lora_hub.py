@@ -182,10 +182,17 @@ def test_a_parent_other_users_can_write_is_refused(daemon: RunningDaemon, tmp_pa
     shared.mkdir()
     shared.chmod(0o777)  # world-writable, not sticky
     hub = LoRAHub(LoRAOptions(target=daemon.target, dir=str(shared), timeout=60))
-    with pytest.raises(AdapterUnavailable, match="other users can write it") as caught:
+    with pytest.raises(AdapterUnavailable, match="other users can write") as caught:
         asyncio.run(hub.current("good"))
     assert caught.value.status == 500
     assert os.listdir(shared) == []
+    # a private directory below it is no better: the branch can be renamed away
+    (shared / "mine").mkdir(mode=0o700)
+    hub = LoRAHub(LoRAOptions(target=daemon.target, dir=str(shared / "mine"), timeout=60))
+    with pytest.raises(AdapterUnavailable, match=f"other users can write {shared}"):
+        asyncio.run(hub.current("good"))
+    (shared / "mine").rmdir()
+    hub = LoRAHub(LoRAOptions(target=daemon.target, dir=str(shared), timeout=60))
     shared.chmod(0o1777)  # sticky, as /tmp: no one else can replace what this user made
     got = asyncio.run(hub.current("good"))
     assert Path(got.path).parent.parent == shared

@@ -259,7 +259,7 @@ class LoRAHub:
                 parent = self.options.dir or None
                 if parent is not None:
                     os.makedirs(parent, mode=0o700, exist_ok=True)
-                _check_parent(parent or tempfile.gettempdir())
+                parent = _check_parent(parent or tempfile.gettempdir())
                 root = tempfile.mkdtemp(prefix="weightd-lora-", dir=parent)
                 st = os.lstat(root)
                 self._root, self._root_id = root, (st.st_dev, st.st_ino)
@@ -358,20 +358,33 @@ class UnsafeDirectory(OSError):
     """The hub's directory, or its parent, is one another user could have written."""
 
 
-def _check_parent(parent: str) -> None:
-    """Refuse a parent another user could swap the hub's directory in: it must be a real
-    directory owned by this user or root, and writable by no one else unless sticky
-    (as ``/tmp`` is: there, no one else can rename or remove what this user made)."""
-    st = os.lstat(parent)
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeDirectory(f"LoRA dir {parent}: not a directory (a symlink?)")
-    if st.st_uid not in (os.geteuid(), 0):
-        raise UnsafeDirectory(f"LoRA dir {parent}: owned by uid {st.st_uid}, not this user")
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise UnsafeDirectory(
-            f"LoRA dir {parent}: other users can write it ({stat.filemode(st.st_mode)}) "
-            "and it is not sticky: give a directory only this user can write"
-        )
+def _check_parent(parent: str) -> str:
+    """``parent`` without links, once no other user could swap the hub's directory in it.
+
+    Every directory from ``/`` down to it (links resolved first, so the paths handed to
+    vLLM hold none) must be owned by this user or root, and writable by no one else
+    unless sticky (as ``/tmp`` is: there, no one else can rename or remove what this
+    user made). An ancestor another user can write would let them rename the whole
+    branch away and put their own in its place after the hub checked it.
+    """
+    real = os.path.realpath(parent)
+    path = "/"
+    for part in [""] + [p for p in real.split("/") if p]:
+        path = os.path.join(path, part)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeDirectory(f"LoRA dir {parent}: {path} is not a directory")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise UnsafeDirectory(
+                f"LoRA dir {parent}: {path} is owned by uid {st.st_uid}, not this user or root"
+            )
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise UnsafeDirectory(
+                f"LoRA dir {parent}: other users can write {path} "
+                f"({stat.filemode(st.st_mode)}) and it is not sticky: give a directory "
+                "only this user can write"
+            )
+    return real
 
 
 def _check_root(root: str, identity: tuple[int, int]) -> None:
