@@ -130,7 +130,7 @@ class LayoutMemory:
         nothing (or nothing valid) is."""
         path = self.path(model)
         try:
-            data = read_bounded(path, MAX_FILE_BYTES, follow=False)
+            data = read_bounded(path, MAX_FILE_BYTES, private=True)
         except ReadRefused as exc:
             if os.path.lexists(path):
                 log.warning("remembered layouts %s ignored: %s", path, exc.reason)
