@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RunningDaemon, run_daemon, weightd_command
-from weightd.client import AdminClient
-from weightd.client.errors import WeightdError
+from weightd.client import AdminClient, WeightdError
 
 pytestmark = pytest.mark.e2e
 

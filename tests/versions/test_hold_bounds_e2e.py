@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import RunningDaemon, run_daemon
 from tests.versions.test_versions_e2e import admin_of, scrape, versions  # noqa: F401
 from weightd.client import WeightClient
-from weightd.server.registry.versions import HoldBounds
+from weightd.server.registry.holdbounds import HoldBounds
 
 pytestmark = pytest.mark.e2e
 

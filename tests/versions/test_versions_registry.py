@@ -17,8 +17,9 @@ from weightd.server.base.errors import (
     ModelNotFound,
     VersionNotHeld,
 )
+from weightd.server.registry.holdbounds import HoldBounds
 from weightd.server.registry.models import LoadedModel, ModelRegistry, load_model
-from weightd.server.registry.versions import HoldBounds, ModelVersions, VersionWatch
+from weightd.server.registry.versions import ModelVersions, VersionWatch
 
 CONFIG = VERSIONED_LLAMA
 

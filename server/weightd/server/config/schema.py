@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from ..adapters.autoload import check_component, check_digest, check_pattern
 from ..plan.declared import DeclaredLayout, parse_declared
-from ..registry.versions import HoldBounds
+from ..registry.holdbounds import HoldBounds
 from ..rpc.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from ..sources.bounds import StoreBounds
 from ..sources.download import DownloadSettings

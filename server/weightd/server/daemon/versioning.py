@@ -13,10 +13,11 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..registry.holdbounds import HoldBounds
 from ..registry.loading import Reloader
 from ..registry.models import LoadedModel, ModelRegistry
 from ..registry.publish import Prepared, PrepareVersion, Publisher, no_preparation
-from ..registry.versions import HeldVersion, HoldBounds, ModelVersions
+from ..registry.versions import HeldVersion, ModelVersions
 from ..rpc.versions import Versions
 from ..transports.local_server import LocalServer
 from ..transports.prebuild import LayoutPrebuilder

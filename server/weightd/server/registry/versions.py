@@ -55,6 +55,7 @@ from ..base.errors import (
     VersionNotHeld,
     echo,
 )
+from .holdbounds import HoldBounds
 from .models import LoadedModel, ModelRegistry
 
 log = logging.getLogger("weightd.versions")
@@ -62,16 +63,6 @@ log = logging.getLogger("weightd.versions")
 DEFAULT_HOLD_SECONDS: Final = 600.0
 #: Events a slow watcher may fall behind by before it is cut off (it must watch again).
 MAX_PENDING_EVENTS: Final = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class HoldBounds:
-    """What holds may keep (the ``[versions]`` settings; see the module docstring)."""
-
-    max_old: int = 2
-    max_holds: int = 4096
-    max_holds_per_client: int = 256
-    max_hold_seconds: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
