@@ -34,6 +34,7 @@ FLOOD = 60
 def daemon(demo_model: Path, tmp_path: Path) -> Iterator[RunningDaemon]:
     extra = ["--max-connections", str(MAX_CONNECTIONS)]
     extra += ["--connection-idle-seconds", str(IDLE_SECONDS)]
+    extra += ["--health-listen", "127.0.0.1:0"]
     with run_daemon(tmp_path, [("demo", demo_model)], extra) as d:
         yield d
 
@@ -44,6 +45,16 @@ def _sockets(pid: int) -> int:
         with contextlib.suppress(OSError):
             out += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
     return out
+
+
+def _flood(target: str, count: int) -> list[grpc.Channel]:
+    channels = []
+    for _ in range(count):
+        channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        channels.append(channel)
+        with contextlib.suppress(grpc.FutureTimeoutError):
+            grpc.channel_ready_future(channel).result(timeout=0.5)
+    return channels
 
 
 def test_a_connection_flood_keeps_the_daemon_within_its_bound(daemon: RunningDaemon) -> None:
@@ -65,6 +76,21 @@ def test_a_connection_flood_keeps_the_daemon_within_its_bound(daemon: RunningDae
             time.sleep(0.2)
         with WeightClient(daemon.target, timeout=30) as engine:
             assert [m.name for m in engine.list_models()] == ["demo"]
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def test_a_flood_on_the_health_listener_is_bounded(daemon: RunningDaemon) -> None:
+    """The health listener (plaintext TCP, for kubelet) keeps at most its 64."""
+    from weightd.server.rpc.peers import SMALL_LISTENER_CONNECTIONS
+
+    pid = daemon.process.pid
+    before = _sockets(pid)
+    target = daemon.address("health").removeprefix("http://")
+    channels = _flood(target, SMALL_LISTENER_CONNECTIONS + 16)
+    try:
+        assert _sockets(pid) - before <= SMALL_LISTENER_CONNECTIONS + 4
     finally:
         for channel in channels:
             channel.close()
