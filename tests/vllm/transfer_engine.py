@@ -13,8 +13,9 @@ the file descriptor ``--reply-fd`` (vLLM's workers write their logs to stdout):
   afresh from directory ``D`` through vLLM's start-up path (what a fresh engine on
   ``D`` holds; the tests prove it against real fresh engines);
 * ``{"op": "generate"}``: greedy tokens and their logprobs for fixed prompts;
-* ``{"op": "update", "version": N, ...}``: :func:`weightd.vllm.rl.update_llm` (the
-  other keys are its arguments, ``target`` and ``model`` the engine's unless given); the
+* ``{"op": "update", "version": N, ...}``: :func:`weightd.vllm.transfer.rl.update_llm`
+  (the other keys are its arguments, ``target`` and ``model`` the engine's unless
+  given); the
   reply has ``error`` when vLLM raised, and every worker's update report;
 * ``{"op": "quit"}``.
 
@@ -156,7 +157,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from weightd.vllm.rl import update_llm
+    from weightd.vllm.transfer.rl import update_llm
 
     extra: dict[str, Any] = {}
     if args.load_format == "weightd":

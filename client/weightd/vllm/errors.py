@@ -15,7 +15,7 @@ class WeightdLoadError(RuntimeError):
 
 class WeightdUpdateError(RuntimeError):
     """An in-place update failed on some rank; no rank applied it (unless the message
-    says so). :func:`weightd.vllm.rl.update_llm` raises it with the ranks' one message;
+    says so). :func:`weightd.vllm.transfer.rl.update_llm` raises it with the ranks' one message;
     a worker raises it inside vLLM, which reports it as its own error."""
 
     #: Where the message starts inside the error vLLM raises for a worker's failure.

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from weightd.vllm.backend import OneLineUpdateErrors
 from weightd.vllm.errors import WeightdUpdateError
+from weightd.vllm.transfer.backend import OneLineUpdateErrors
 
 MESSAGE = (
     "weightd: update refused on every rank: the ranks would take different content "
