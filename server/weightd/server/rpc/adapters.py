@@ -23,9 +23,9 @@ from ..adapters.packing import slice_bytes
 from ..adapters.registry import AdapterEvent, AdapterVersion, Lease
 from ..adapters.service import AdapterService, AdapterState, check_name
 from ..base.errors import WatchOverflow
-from ..plan.layout import Layout
+from ..weights.layouts import Layout
 from .status import abort
-from .wire import chunk_bytes
+from .wire import chunk_bytes, slice_header
 
 log = logging.getLogger("weightd.adapters")
 
@@ -129,14 +129,7 @@ class Adapters:
             if not context.is_active():
                 return
             data, digest = slice_bytes(v, s)
-            header = pb.SliceHeader(
-                name=s.name,
-                dtype=s.dtype,
-                shape=s.shape,
-                nbytes=s.nbytes,
-                split_dim=s.split_dim,
-                replicated=s.replicated,
-            )
+            header = slice_header(s)
             offsets = range(0, max(len(data), 1), chunk)
             for offset in offsets:
                 part = data[offset : offset + chunk]

@@ -17,8 +17,7 @@ import grpc
 from weightd.v1 import weightd_pb2 as pb
 
 from ..base.errors import InvalidRequest, WatchOverflow
-from ..registry.publish import Published, Publisher
-from ..registry.versions import ModelVersions, VersionEvent, VersionInfo
+from ..weights.models import ModelVersions, Published, Publisher, VersionEvent, VersionInfo
 from .status import abort
 
 #: Seconds between checks that a watcher is still connected (and holds' expiry).

@@ -56,12 +56,10 @@ from ..base.errors import (
 from ..packs.build import HostPack, layout_pack
 from ..packs.cache import Lease, PackCache
 from ..packs.layoutbuild import build_host_pack
-from ..plan.declared import LayoutGroup
-from ..plan.layout import Layout
-from ..plan.planner import RankPlan
-from ..registry.models import LoadedModel, ModelRegistry
-from ..registry.versions import ModelVersions
 from ..telemetry import logs
+from ..weights.layouts import Layout, LayoutGroup, RankPlan
+from ..weights.models import LoadedModel
+from ..weights.service import WeightService
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer, wire_layout
 from .layout_memory import LayoutMemory
@@ -111,23 +109,25 @@ def local_error(error: BaseException, what: str) -> lpb.LocalError:
 
 
 class PackService:
+    """The side socket's requests over the same :class:`WeightService` as gRPC's Fetch."""
+
     def __init__(
         self,
-        registry: ModelRegistry,
+        weights: WeightService,
         config: LocalConfig,
         driver: CudaDriver | None = None,
         adapters: AdapterService | None = None,
+        *,
+        memory: LayoutMemory | None = None,
     ) -> None:
-        self.registry = registry
+        #: The domain door (model at version, plan, marking broken), gRPC's Fetch's too.
+        self.weights = weights
         self.adapters = adapters
-        #: Resolves a request's model version (``AcquirePack.version``); None: only the
-        #: current version is served (the daemon sets it when it has versions).
-        self.versions: ModelVersions | None = None
         #: Open side-channel connections, for stats; the socket server sets it.
         self.connections: Callable[[], int] = lambda: 0
         self.boot_id = uuid.uuid4().hex
         #: Where the layouts workers ask for are remembered (None: nowhere).
-        self.memory: LayoutMemory | None = None
+        self.memory = memory
         #: Pack id -> leases the daemon itself holds (declared layouts, ``prebuild``):
         #: not a worker's, so stats and metrics count them apart.
         self._daemon_holds: Counter[int] = Counter()
@@ -235,16 +235,14 @@ class PackService:
     def _acquire(self, req: lpb.AcquirePack) -> Outcome:
         if req.adapter:
             return self._acquire_adapter(req)
-        if self.versions is not None:
-            model = self.versions.resolve(req.model, req.version)
-        else:
-            model = self.registry.get(req.model)
-        # The whole layout, validated and planned by the same code as a gRPC Fetch: a
-        # pipeline stage or an expert rank gets exactly what Fetch would stream it.
-        layout = Layout.of(req.layout)
+        # The model at the version, and the whole layout validated and planned, by the
+        # same service as a gRPC Fetch: a pipeline stage or an expert rank gets exactly
+        # what Fetch would stream it.
+        model = self.weights.model(req.model, req.version)
         if req.names:
-            model.plan_layout(layout, tuple(req.names))  # unknown or repeated names fail here
-        plan = model.plan_layout(layout)
+            self.weights.plan(model, req.layout, req.names)  # unknown or repeated names fail
+        plan = self.weights.plan(model, req.layout)
+        layout = plan.layout
         host = self.host_lease(model, plan, wait=not req.no_wait, remember=True)
         kinds = list(req.slice_digests)
         if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
@@ -293,7 +291,7 @@ class PackService:
             try:
                 pack = make()
             except DataIntegrityError as exc:
-                self.registry.mark_broken(model, str(exc))
+                self.weights.mark_broken(model, exc)
                 raise
             if self.pinner is not None:
                 self.pinner.pin(pack)
@@ -414,7 +412,7 @@ class PackService:
         assert isinstance(info, PackInfo)
         kinds = list(req.slice_digests)
         if info.adapter is None:
-            state, reason = self.registry.state(info.model)
+            state, reason = self.weights.registry.state(info.model)
             if state == "broken":  # a build (or a check) found its bytes changed
                 lease.release()
                 raise DataIntegrityError(
