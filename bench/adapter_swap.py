@@ -80,7 +80,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=128, help="LoRA r (128: ~20 MB adapters)")
     args = p.parse_args()
     from weightd.client import WeightClient
-    from weightd.client.admin import AdminClient
+    from weightd.client.api.admin import AdminClient
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -59,7 +59,7 @@ def child(size: int) -> None:
                 huge_kb = int(line.split()[1])
     out = {"mode": mode, "shmem_huge_gib": huge_kb / 2**20}
     for how in ("touch", "populate"):
-        reader = map_aligned(fd, size, shared=False)  # as client/shm.py maps
+        reader = map_aligned(fd, size, shared=False)  # as client/transports/shm.py maps
         view = np.frombuffer(reader, dtype=np.uint8)
         started = time.perf_counter()
         if how == "populate":

@@ -47,7 +47,7 @@ from bench.lora_adapters import make_adapter, make_base  # noqa: E402
 from bench.vllm_api import CPU_ARGS, ApiServer, api_server  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-MIDDLEWARE = "weightd.vllm.lora_middleware.WeightdLoRAMiddleware"
+MIDDLEWARE = "weightd.vllm.lora.middleware.WeightdLoRAMiddleware"
 #: A base wide enough for an adapter of >= 100 MB at r=256 (fp32, every projection).
 BIG_BASE: dict[str, Any] = dict(
     vocab_size=1000,
@@ -202,7 +202,7 @@ def weightd_parts(log: str, name: str) -> dict[str, float]:
 
 
 def measure_swaps(s: ApiServer, admin_target: str, sources: list[Path], swaps: int) -> Any:
-    from weightd.client.admin import AdminClient
+    from weightd.client.api.admin import AdminClient
 
     admin = AdminClient(admin_target, timeout=300)
     admin.load_adapter("hs", str(sources[0]))

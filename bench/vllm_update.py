@@ -105,7 +105,7 @@ def child_switch(args: argparse.Namespace) -> None:
     """One engine: alternate weightd updates and vLLM reloads; print RESULT lines."""
     _env(args.tp)
     from weightd.client import AdminClient, WeightClient
-    from weightd.vllm.rl import update_llm
+    from weightd.vllm.transfer.rl import update_llm
 
     dirs = args.dirs.split(",")
     llm = _llm(dirs[0], args.tp, args.mem)

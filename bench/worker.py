@@ -146,9 +146,9 @@ def main() -> None:
         import grpc
 
         import weightd.client
-        import weightd.client.local_fetch
-        import weightd.client.receive
-        import weightd.client.shm  # noqa: F401
+        import weightd.client.receive.stream
+        import weightd.client.transports.local_fetch
+        import weightd.client.transports.shm  # noqa: F401
 
         grpc.insecure_channel("unix:///nonexistent/weightd-bench.sock").close()
     else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
-from weightd.client.shm import MADV_POPULATE_READ
+from weightd.client.transports.shm import MADV_POPULATE_READ
 from weightd.common.hugemap import address, madvise, map_aligned
 
 

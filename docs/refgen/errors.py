@@ -1,6 +1,6 @@
 """reference/errors.md: the daemon's error classes and their status codes, from
 ``weightd.server.base.errors`` (and every subclass defined elsewhere in the daemon),
-and the exceptions a Python client raises, from ``weightd.client.errors``."""
+and the exceptions a Python client raises, from ``weightd.client.base.errors``."""
 
 from __future__ import annotations
 
@@ -51,13 +51,13 @@ def _where(cls: type) -> str:
 
 def render() -> str:
     _import_daemon()
-    import weightd.client.errors as client_errors
+    import weightd.client.base.errors as client_errors
     from weightd.server.base import errors
 
     out = [
         "# Errors and status codes",
         "",
-        banner("weightd.server.base.errors and weightd.client.errors"),
+        banner("weightd.server.base.errors and weightd.client.base.errors"),
         "",
         "Every failure the daemon can explain is a class of one hierarchy "
         "(`weightd.server.base.errors.WeightdError`); the class fixes the gRPC status "

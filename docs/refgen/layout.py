@@ -100,7 +100,8 @@ def render() -> str:
     ):
         out += ["", f"## `weightd.{title}`", "", _summary(folder / "__init__.py"), ""]
         out += ["| module | lines | what |", "|---|---|---|"]
-        for module in sorted(folder.glob("*.py")):
-            if module.name != "__init__.py":
-                out.append(f"| `{module.name}` | {_lines(module):,} | {_summary(module)} |")
+        for module in sorted(folder.rglob("*.py")):
+            name = module.relative_to(folder).as_posix()
+            if name != "__init__.py":
+                out.append(f"| `{name}` | {_lines(module):,} | {_summary(module)} |")
     return "\n".join(out) + "\n"

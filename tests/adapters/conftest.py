@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from tests.models import build_model, expected_slice
 from weightd.client import WeightClient
-from weightd.client.admin import AdminClient
-from weightd.client.errors import NotFoundError
-from weightd.client.transports import Transport
+from weightd.client.api.admin import AdminClient
+from weightd.client.base.errors import NotFoundError
+from weightd.client.transports.selection import Transport
 
 BASE_CONFIG: dict[str, Any] = dict(
     vocab_size=128,

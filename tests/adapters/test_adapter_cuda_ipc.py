@@ -18,9 +18,9 @@ from tests.conftest import run_daemon
 from tests.gpu.conftest import cuda_usable
 from tests.gpu.test_cuda_ipc import wait_until
 from weightd.client import WeightClient
-from weightd.client.admin import AdminClient
-from weightd.client.local import local_stats
-from weightd.client.transports import side_socket_path
+from weightd.client.api.admin import AdminClient
+from weightd.client.transports.local import local_stats
+from weightd.client.transports.selection import side_socket_path
 from weightd.v1 import local_pb2 as lpb
 
 pytestmark = [

@@ -24,10 +24,14 @@ from tests.gpu.test_cuda_ipc import wait_until
 from tests.ops.conftest import scrape
 from tests.ops.test_ops_e2e import _tool
 from weightd.client import WeightClient
-from weightd.client.admin import AdminClient
-from weightd.client.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
-from weightd.client.local import local_stats
-from weightd.client.transports import side_socket_path
+from weightd.client.api.admin import AdminClient
+from weightd.client.base.errors import (
+    FailedPreconditionError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from weightd.client.transports.local import local_stats
+from weightd.client.transports.selection import side_socket_path
 
 pytestmark = pytest.mark.e2e
 

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from tests.adapters.conftest import Fixture, expected, race
 from tests.conftest import run_daemon
 from weightd.client import WeightClient
-from weightd.client.adapters import AdapterEvent
-from weightd.client.admin import AdminClient
-from weightd.client.errors import (
+from weightd.client.api.adapters import AdapterEvent
+from weightd.client.api.admin import AdminClient
+from weightd.client.base.errors import (
     DataLossError,
     FailedPreconditionError,
     NotFoundError,

@@ -22,7 +22,7 @@ import pytest
 from tests.adapters.conftest import Fixture
 from tests.conftest import RunningDaemon, run_daemon
 from weightd.client import WeightClient
-from weightd.client.errors import (
+from weightd.client.base.errors import (
     DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -125,7 +125,7 @@ def test_files_are_the_verified_bytes(daemon: Daemon, lora: Fixture) -> None:
         assert c.fetch_adapter_files("twin", s.version).weights == files.weights
         with pytest.raises(NotFoundError, match="no longer held"):
             c.fetch_adapter_files("twin", s.version + 1000)
-        from weightd.client.errors import ResourceExhaustedError
+        from weightd.client.base.errors import ResourceExhaustedError
 
         with pytest.raises(ResourceExhaustedError, match="over this client's limit"):
             c.fetch_adapter_files("twin", max_bytes=1000)
@@ -225,9 +225,9 @@ def test_loads_on_request_hold_few_server_threads(
     vLLM side asks again and gets it."""
     import asyncio
 
-    from weightd.client.errors import UnavailableError
-    from weightd.vllm.lora_hub import LoRAHub
-    from weightd.vllm.lora_options import LoRAOptions
+    from weightd.client.base.errors import UnavailableError
+    from weightd.vllm.lora.hub import LoRAHub
+    from weightd.vllm.lora.options import LoRAOptions
 
     tmp = tmp_path_factory.mktemp("slots")
     root = tmp / "roots"

@@ -35,8 +35,8 @@ from safetensors.torch import load_file, save_file
 from tests.adapters.conftest import BASE_CONFIG, TARGETS, Fixture
 from tests.conftest import RunningDaemon, run_daemon
 from weightd.client import WeightClient
-from weightd.client.admin import AdminClient
-from weightd.client.errors import (
+from weightd.client.api.admin import AdminClient
+from weightd.client.base.errors import (
     DataLossError,
     FailedPreconditionError,
     ResourceExhaustedError,

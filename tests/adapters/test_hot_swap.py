@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from tests.adapters.conftest import Fixture, make_adapter
 from tests.conftest import run_daemon
-from weightd.client.admin import AdminClient
+from weightd.client.api.admin import AdminClient
 
 pytestmark = pytest.mark.e2e
 

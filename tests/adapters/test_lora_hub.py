@@ -1,4 +1,4 @@
-"""The API-server side of weightd LoRA in vLLM (``weightd.vllm.lora_hub``), against a real
+"""The API-server side of weightd LoRA in vLLM (``weightd.vllm.lora.hub``), against a real
 daemon, without vLLM: private copies, single-flight, base identity, errors as HTTP."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from bench.lora_adapters import digest_of
 from tests.adapters.conftest import Fixture
 from tests.conftest import RunningDaemon, run_daemon
-from weightd.client.errors import (
+from weightd.client.base.errors import (
     DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -26,8 +26,8 @@ from weightd.client.errors import (
     UnavailableError,
     WeightdError,
 )
-from weightd.vllm.lora_hub import AdapterUnavailable, LoRAHub, unavailable
-from weightd.vllm.lora_options import LoRAOptions, LoRAOptionsError, parse_lora_options
+from weightd.vllm.lora.hub import AdapterUnavailable, LoRAHub, unavailable
+from weightd.vllm.lora.options import LoRAOptions, LoRAOptionsError, parse_lora_options
 
 pytestmark = pytest.mark.e2e
 
@@ -154,7 +154,7 @@ def test_status_table(error: WeightdError, status: int, start: str) -> None:
 def test_a_retired_copy_goes_after_retain_seconds(
     daemon: RunningDaemon, lora: Fixture, tmp_path: Path
 ) -> None:
-    from weightd.client.admin import AdminClient
+    from weightd.client.api.admin import AdminClient
 
     hub = LoRAHub(
         LoRAOptions(target=daemon.target, dir=str(tmp_path / "c"), retain_seconds=0, timeout=60)

@@ -124,7 +124,7 @@ def test_errors_page_names_every_error_class(generated_pages: dict[str, str]) ->
     import importlib
     import pkgutil
 
-    import weightd.client.errors as client_errors
+    import weightd.client.base.errors as client_errors
     import weightd.server
     from weightd.server.base.errors import WeightdError
 

@@ -173,7 +173,7 @@ _CLIENTS = textwrap.dedent(
     """
     import json, sys
     from weightd.client import AdminClient, WeightClient
-    from weightd.vllm.options import parse_options
+    from weightd.vllm.loader.options import parse_options
     out = {}
     for form in json.loads(sys.argv[1]):
         with WeightClient(form or None, timeout=30) as c:
@@ -311,7 +311,7 @@ def test_wrong_socket_names_the_right_one(tmp_path: Path) -> None:
         """
         import sys
         from weightd.client import AdminClient, WeightClient
-        from weightd.client.errors import AdminOnly, NotWeightd, WorkerOnly
+        from weightd.client.base.errors import AdminOnly, NotWeightd, WorkerOnly
         worker, admin = sys.argv[1], sys.argv[2]
         try:
             WeightClient(admin, timeout=30).list_models()

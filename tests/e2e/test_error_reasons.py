@@ -23,8 +23,8 @@ import pytest
 
 from tests.errors_server import error_classes, make_error
 from weightd.client import WeightClient
-from weightd.client import errors as ce
-from weightd.client.local import LocalConnection
+from weightd.client.base import errors as ce
+from weightd.client.transports.local import LocalConnection
 from weightd.server.base.errors import LINEAGE_KEY, WeightdError
 from weightd.server.rpc.status import grpc_code
 from weightd.v1 import local_pb2 as lpb

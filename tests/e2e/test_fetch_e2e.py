@@ -26,7 +26,7 @@ from weightd.client import (
     NotFoundError,
     WeightClient,
 )
-from weightd.client.transports import Transport
+from weightd.client.transports.selection import Transport
 
 pytestmark = pytest.mark.e2e
 

@@ -25,8 +25,8 @@ from tests.conftest import RunningDaemon, run_daemon
 from tests.models import build_model, read_checkpoint
 from tests.old_daemon import without_vocab_pad
 from weightd.client import InvalidArgumentError, Layout, VocabPadUnsupportedError, WeightClient
-from weightd.client.local import LocalConnection, local_stats
-from weightd.client.transports import side_socket_path
+from weightd.client.transports.local import LocalConnection, local_stats
+from weightd.client.transports.selection import side_socket_path
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc

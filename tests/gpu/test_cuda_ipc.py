@@ -21,8 +21,8 @@ from tests.conftest import RunningDaemon, run_daemon
 from tests.gpu.conftest import cuda_usable
 from tests.shm.procs import Worker
 from weightd.client import FailedPreconditionError, PackRef, WeightClient
-from weightd.client.local import LocalConnection, local_stats
-from weightd.client.transports import side_socket_path
+from weightd.client.transports.local import LocalConnection, local_stats
+from weightd.client.transports.selection import side_socket_path
 from weightd.common.cuda_driver import canonical_uuid
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb

@@ -18,8 +18,8 @@ import pytest
 
 from bench.procstats import ProcUsage, proc_usage
 from tests.conftest import RunningDaemon
-from weightd.client.local import local_stats
-from weightd.client.transports import side_socket_path
+from weightd.client.transports.local import local_stats
+from weightd.client.transports.selection import side_socket_path
 
 #: Llama-style, 8 layers: 75 tensors, ~16 MB of BF16 in 3 shards. Enough tensors that
 #: a stream cut in its middle has complete tensors behind it and many ahead.

@@ -21,8 +21,8 @@ import pytest
 from tests.conftest import RunningDaemon, run_daemon
 from tests.reliability.load_support import demo_model
 from weightd.client import ResourceExhaustedError, WeightClient
-from weightd.client.local import LocalConnection
-from weightd.client.transports import side_socket_path
+from weightd.client.transports.local import LocalConnection
+from weightd.client.transports.selection import side_socket_path
 from weightd.common.frames import recv_frame, send_frame
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from tests.conftest import RunningDaemon, run_daemon
 from tests.reliability.load_support import demo_model
 from weightd.client import WeightClient
-from weightd.client.admin import AdminClient
+from weightd.client.api.admin import AdminClient
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 

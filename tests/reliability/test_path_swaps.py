@@ -39,7 +39,7 @@ from tests.adapters.conftest import BASE_CONFIG, Fixture, expected, same_bytes
 from tests.conftest import RunningDaemon, run_daemon
 from tests.models import build_model
 from weightd.client import AdminClient, WeightClient
-from weightd.client.errors import WeightdError
+from weightd.client.base.errors import WeightdError
 from weightd.server.adapters.load import CONFIG_FILE, WEIGHTS_FILE, adapter_digest
 
 pytestmark = pytest.mark.e2e

@@ -37,7 +37,7 @@ from tests.s3.conftest import (
     write_blob_model,
 )
 from weightd.client import WeightClient
-from weightd.client.admin import AdminClient
+from weightd.client.api.admin import AdminClient
 
 pytestmark = pytest.mark.e2e
 
@@ -315,7 +315,7 @@ def test_a_reload_honours_its_deadline_and_never_blocks_the_next(
     """A reload whose listing drips, then one whose new shard drips: each answers
     DEADLINE_EXCEEDED by its deadline, publishes nothing (the verified version serves),
     and the next reload is not blocked; once the store behaves, a reload publishes."""
-    from weightd.client.errors import DeadlineExceededError
+    from weightd.client.base.errors import DeadlineExceededError
 
     local = write_blob_model(tmp_path / "local", 1, seed=5)
     v2 = write_blob_model(tmp_path / "v2", 1, seed=6)
@@ -364,7 +364,7 @@ def test_failed_reloads_never_prune_the_serving_version_and_a_restart_is_warm(
     """Five reloads that download a version failing verification: each is refused and
     its download removed, the serving version's directory stays, the cache never holds
     more than two versions; a restart finds the serving version warm."""
-    from weightd.client.errors import FailedPreconditionError
+    from weightd.client.base.errors import FailedPreconditionError
 
     local = write_blob_model(tmp_path / "local", 1, seed=7)
     bucket = hostile.bucket()
@@ -527,7 +527,7 @@ def test_adapters_are_judged_by_their_listed_sizes_before_any_get(
     from tests.adapters.conftest import BASE_CONFIG, make_adapter
     from tests.models import build_model
     from tests.s3.test_s3_adapters import _digest
-    from weightd.client.errors import (
+    from weightd.client.base.errors import (
         DataLossError,
         FailedPreconditionError,
         ResourceExhaustedError,

@@ -15,8 +15,8 @@ from tests.conftest import run_daemon
 from tests.models import build_model
 from tests.s3.conftest import SeaweedS3
 from weightd.client import WeightClient
-from weightd.client.admin import AdminClient
-from weightd.client.errors import FailedPreconditionError, InvalidArgumentError
+from weightd.client.api.admin import AdminClient
+from weightd.client.base.errors import FailedPreconditionError, InvalidArgumentError
 
 pytestmark = pytest.mark.e2e
 

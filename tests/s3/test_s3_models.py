@@ -29,7 +29,7 @@ from tests.s3.conftest import (
     write_blob_model,
 )
 from weightd.client import WeightClient
-from weightd.client.admin import AdminClient
+from weightd.client.api.admin import AdminClient
 
 pytestmark = pytest.mark.e2e
 

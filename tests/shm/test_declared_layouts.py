@@ -23,8 +23,8 @@ from tests.conftest import run_daemon
 from tests.models import read_checkpoint
 from tests.shm.procs import Worker
 from weightd.client import AdminClient, WeightClient
-from weightd.client.local import local_stats
-from weightd.client.transports import side_socket_path
+from weightd.client.transports.local import local_stats
+from weightd.client.transports.selection import side_socket_path
 from weightd.server.store.residency import resident_bytes
 
 pytestmark = pytest.mark.e2e

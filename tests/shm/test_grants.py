@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightd.client import shm
+from weightd.client.transports import shm
 from weightd.server.packs.build import HostPack, PackEntry, layout_pack
 from weightd.server.packs.cache import Lease, PackCache
 from weightd.server.packs.layoutbuild import build_host_pack

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from weightd.client.errors import ResourceExhaustedError
-from weightd.client.local import LocalConnection, local_stats
+from weightd.client.base.errors import ResourceExhaustedError
+from weightd.client.transports.local import LocalConnection, local_stats
 from weightd.server.registry.models import ModelRegistry
 from weightd.server.transports import local_server
 from weightd.server.transports.local_server import LocalServer

@@ -22,8 +22,8 @@ from weightd.client import (
     WeightClient,
     WeightdError,
 )
-from weightd.client.local import LocalConnection, local_stats
-from weightd.client.transports import side_socket_path
+from weightd.client.transports.local import LocalConnection, local_stats
+from weightd.client.transports.selection import side_socket_path
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 

@@ -18,8 +18,8 @@ import torch
 
 from tests.conftest import RunningDaemon, run_daemon
 from weightd.client import InvalidArgumentError, Layout, WeightClient
-from weightd.client.local import LocalConnection
-from weightd.client.transports import side_socket_path
+from weightd.client.transports.local import LocalConnection
+from weightd.client.transports.selection import side_socket_path
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 

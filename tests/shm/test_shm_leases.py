@@ -18,8 +18,8 @@ import pytest
 from tests.conftest import RunningDaemon, run_daemon
 from tests.shm.procs import Worker
 from weightd.client import ResourceExhaustedError, WeightClient
-from weightd.client.local import local_stats
-from weightd.client.transports import side_socket_path
+from weightd.client.transports.local import local_stats
+from weightd.client.transports.selection import side_socket_path
 from weightd.v1 import local_pb2 as lpb
 
 pytestmark = pytest.mark.e2e

@@ -22,7 +22,7 @@ import torch
 from tests.conftest import RunningDaemon, run_daemon, weightd_command
 from tests.models import VERSIONED_LLAMA, build_model, expected_slice, read_checkpoint
 from weightd.client import AdminClient, Layout, VersionEvent, WeightClient
-from weightd.client.errors import (
+from weightd.client.base.errors import (
     DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.models import VERSIONED_LLAMA, build_model
-from weightd.client.errors import DataLossError, FailedPreconditionError
-from weightd.client.receive import check_version
+from weightd.client.base.errors import DataLossError, FailedPreconditionError
+from weightd.client.receive.stream import check_version
 from weightd.server.base.errors import (
     DataIntegrityError,
     InvalidRequest,

@@ -30,7 +30,7 @@ ACCESS_KEY, SECRET_KEY = "weightd-lora-test", "weightd-lora-secret-5b2c"
 MAX_LORAS = 2
 #: Served by the daemon and given to vLLM as references, with the seeds they are made from.
 ADAPTERS = {"good": 1, "v1": 3, "v2": 4, "a1": 11, "a2": 12, "a3": 13, "a4": 14, "sf": 21}
-MIDDLEWARE = "weightd.vllm.lora_middleware.WeightdLoRAMiddleware"
+MIDDLEWARE = "weightd.vllm.lora.middleware.WeightdLoRAMiddleware"
 
 
 @dataclass

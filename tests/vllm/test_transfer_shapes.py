@@ -1,4 +1,4 @@
-"""The weight-transfer backend's shape check (``weightd.vllm.shapes``), without vLLM.
+"""The weight-transfer backend's shape check (``weightd.vllm.transfer.shapes``), without vLLM.
 
 What the engine was built from (its model directory's headers, or its config.json when
 it has no safetensors) against a version's description, for the changes that must be
@@ -14,7 +14,7 @@ import pytest
 
 from tests.models import VERSIONED_LLAMA, build_model
 from weightd.client import ModelDescription, TensorInfo
-from weightd.vllm.shapes import differences, directory_signature, header_signature
+from weightd.vllm.transfer.shapes import differences, directory_signature, header_signature
 
 CONFIG = VERSIONED_LLAMA
 

@@ -29,7 +29,7 @@ import pytest
 
 from bench.vllm_api import ApiServer
 from tests.vllm.lora_world import MAX_LORAS, World, running_world, server
-from weightd.client.admin import AdminClient
+from weightd.client.api.admin import AdminClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 

@@ -10,7 +10,7 @@ the file descriptor ``--reply-fd`` (vLLM's workers write their logs to stdout):
   packed GEMM: ``cpu_linear(I) = W^T``, exact, since the CPU build replaced the
   parameter by an empty one when it repacked it), plus the engine's weight version;
 * ``{"op": "generate"}``: greedy tokens and their logprobs for fixed prompts;
-* ``{"op": "update", "version": N, ...}``: :func:`weightd.vllm.rl.update_llm`; the
+* ``{"op": "update", "version": N, ...}``: :func:`weightd.vllm.transfer.rl.update_llm`; the
   reply has ``error`` when vLLM raised, and every worker's update report;
 * ``{"op": "quit"}``.
 
@@ -103,7 +103,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from weightd.vllm.rl import update_llm
+    from weightd.vllm.transfer.rl import update_llm
 
     extra: dict[str, Any] = {}
     if args.load_format == "weightd":

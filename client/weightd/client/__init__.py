@@ -12,8 +12,8 @@ torch's import time.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .client import WeightClient
-from .errors import (
+from .api.client import WeightClient
+from .base.errors import (
     AbortedError,
     AccessDenied,
     AdapterInvalid,
@@ -55,36 +55,36 @@ from .errors import (
     WeightdError,
     WorkerOnly,
 )
-from .layout import Layout
-from .transports import FetchInfo, PackRef, TransportFailure
+from .base.layout import Layout
+from .transports.selection import FetchInfo, PackRef, TransportFailure
 
 if TYPE_CHECKING:
-    from .admin import AdminClient, Published, ReloadResult
-    from .descriptions import FileDigest, ModelDescription, ModelInfo, TensorInfo
-    from .resumable import ResumeReport
-    from .retry import RetryPolicy, RetryStats
-    from .tls import tls_credentials
-    from .versions import VersionEvent, VersionHold, VersionInfo, VersionWatch
+    from .api.admin import AdminClient, Published, ReloadResult
+    from .api.descriptions import FileDigest, ModelDescription, ModelInfo, TensorInfo
+    from .api.tls import tls_credentials
+    from .api.versions import VersionEvent, VersionHold, VersionInfo, VersionWatch
+    from .base.retry import RetryPolicy, RetryStats
+    from .transports.resumable import ResumeReport
 
 #: Names loaded on first use (PEP 562): those whose modules import torch, and those a
 #: worker's same-host fetch never needs (it imports only what it uses: a fresh
 #: process's first fetch is timed in milliseconds, each module costs some).
 _WITH_TORCH = {
-    "AdminClient": ".admin",
-    "Published": ".admin",
-    "ReloadResult": ".admin",
-    "ResumeReport": ".resumable",
-    "FileDigest": ".descriptions",
-    "ModelDescription": ".descriptions",
-    "ModelInfo": ".descriptions",
-    "TensorInfo": ".descriptions",
-    "tls_credentials": ".tls",
-    "RetryPolicy": ".retry",
-    "RetryStats": ".retry",
-    "VersionEvent": ".versions",
-    "VersionHold": ".versions",
-    "VersionInfo": ".versions",
-    "VersionWatch": ".versions",
+    "AdminClient": ".api.admin",
+    "Published": ".api.admin",
+    "ReloadResult": ".api.admin",
+    "ResumeReport": ".transports.resumable",
+    "FileDigest": ".api.descriptions",
+    "ModelDescription": ".api.descriptions",
+    "ModelInfo": ".api.descriptions",
+    "TensorInfo": ".api.descriptions",
+    "tls_credentials": ".api.tls",
+    "RetryPolicy": ".base.retry",
+    "RetryStats": ".base.retry",
+    "VersionEvent": ".api.versions",
+    "VersionHold": ".api.versions",
+    "VersionInfo": ".api.versions",
+    "VersionWatch": ".api.versions",
 }
 
 

@@ -17,7 +17,7 @@ Both sides compute it with :func:`sample_digest`: the daemon over its verified s
 Not a proof of identity: it decides "same checkpoint" from samples (a forgery built to
 match them would pass; a mix-up does not). The same file on the same host
 (device, inode, size, mtime) and a cache blob named by the file's SHA-256 are proofs,
-and are preferred where they apply (``weightd.vllm.identity``).
+and are preferred where they apply (``weightd.vllm.share.identity``).
 """
 
 from __future__ import annotations

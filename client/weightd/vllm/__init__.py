@@ -15,9 +15,9 @@ from __future__ import annotations
 def register() -> None:
     """vLLM's plugin hook: make ``load_format="weightd"`` and the ``weightd`` weight-transfer
     backend known, and the ``weightd`` LoRA resolver when ``WEIGHTD_LORA`` is set (see
-    :mod:`.lora_options`). Safe to call repeatedly."""
-    from .backend import register_transfer
-    from .loader import register_loader
+    :mod:`.lora.options`). Safe to call repeatedly."""
+    from .loader.model_loader import register_loader
+    from .transfer.backend import register_transfer
 
     register_loader()
     register_transfer()  # weight_transfer_config={"backend": "weightd"}
@@ -27,11 +27,11 @@ def register() -> None:
 def _register_lora() -> None:
     import os
 
-    from .lora_options import ENV, parse_lora_options
+    from .lora.options import ENV, parse_lora_options
 
     if ENV in os.environ:
         # Read now: a mistake in it stops vLLM's start with one line, not each request.
         parse_lora_options(os.environ[ENV])
-        from .lora_resolver import register_resolver
+        from .lora.resolver import register_resolver
 
         register_resolver()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from weightd.client.adapter_files import _Directory, _Memory, _receive
-from weightd.client.errors import DataLossError, ResourceExhaustedError
+from weightd.client.api.adapter_files import _Directory, _Memory, _receive
+from weightd.client.base.errors import DataLossError, ResourceExhaustedError
 from weightd.common.digests import adapter_digest
 from weightd.v1 import weightd_pb2 as pb
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from weightd.client import WeightClient
-from weightd.client.errors import UnavailableError
+from weightd.client.base.errors import UnavailableError
 
 
 def test_no_channel_until_a_grpc_call_needs_one(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from weightd.client.dlpack import KDL_CPU, bytes_tensor
+from weightd.client.transports.dlpack import KDL_CPU, bytes_tensor
 
 
 def test_views_the_memory_and_calls_back_when_the_last_view_dies() -> None:

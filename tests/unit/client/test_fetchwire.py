@@ -1,4 +1,4 @@
-"""The client's Fetch parser (``weightd.client.fetchwire``) reads the wire as protobuf does.
+"""The client's Fetch parser (``weightd.client.receive.fetchwire``) reads the wire as protobuf does.
 
 For any input, it must accept what protobuf accepts with the same content, and refuse
 what protobuf refuses with ``DataLossError``. The daemon's encoder, which writes these
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.wire_messages import HEADER, _pair
-from weightd.client.errors import DataLossError
-from weightd.client.fetchwire import WireResponse, from_message, parse_fetch_response
+from weightd.client.base.errors import DataLossError
+from weightd.client.receive.fetchwire import WireResponse, from_message, parse_fetch_response
 from weightd.v1 import weightd_pb2 as pb
 
 

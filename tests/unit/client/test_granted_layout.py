@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from weightd.client import Layout, UnavailableError
-from weightd.client.local_fetch import _check_granted_layout
-from weightd.client.localwire import Grant, decode_grant
+from weightd.client.transports.local_fetch import _check_granted_layout
+from weightd.client.transports.localwire import Grant, decode_grant
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from weightd.client import localwire
-from weightd.client.layout import Layout
+from weightd.client.base.layout import Layout
+from weightd.client.transports import localwire
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 

@@ -1,4 +1,5 @@
-"""The client's receiver (``weightd.client.receive``) fed wire bytes: whole tensors or DATA_LOSS."""
+"""The client's receiver (``weightd.client.receive.stream``) fed wire bytes: whole tensors
+or DATA_LOSS."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 import torch
 
 from tests.unit.client.wire_streams import PAYLOADS, FakeStream, _rank, _tampered
-from weightd.client import receive
-from weightd.client.errors import DataLossError
-from weightd.client.receive import POPULATE_MIN_BYTES, RankReceiver
+from weightd.client.base.errors import DataLossError
+from weightd.client.receive import stream as receive
+from weightd.client.receive.stream import POPULATE_MIN_BYTES, RankReceiver
 from weightd.v1 import weightd_pb2 as pb
 
 

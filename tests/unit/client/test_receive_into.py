@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.unit.client.wire_streams import PAYLOADS, FakeStream, _rank, _tampered
-from weightd.client.errors import DataLossError
-from weightd.client.receive import RankReceiver, fits
+from weightd.client.base.errors import DataLossError
+from weightd.client.receive.stream import RankReceiver, fits
 
 U8 = torch.uint8
 

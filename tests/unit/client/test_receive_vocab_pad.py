@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from weightd.client import DataLossError, VocabPadUnsupportedError
-from weightd.client.receive import RankReceiver
+from weightd.client.receive.stream import RankReceiver
 from weightd.v1 import weightd_pb2 as pb
 
 

@@ -1,4 +1,4 @@
-"""The client's retry policy (``weightd.client.retry``): pure rules, table-tested.
+"""The client's retry policy (``weightd.client.base.retry``): pure rules, table-tested.
 
 The daemon's side of a retried Fetch, the resume decision, is tested in
 ``tests/unit/rpc/test_resume.py``.
@@ -12,14 +12,14 @@ import grpc
 import pytest
 
 from weightd.client import RetryPolicy, RetryStats
-from weightd.client.errors import (
+from weightd.client.base.errors import (
     DataLossError,
     InvalidArgumentError,
     ResourceExhaustedError,
     UnavailableError,
     WeightdError,
 )
-from weightd.client.retry import call_with_retry
+from weightd.client.base.retry import call_with_retry
 
 
 class Clock:

@@ -1,4 +1,5 @@
-"""Splitting a rank over several Fetch streams (``weightd.client.streams``), pure parts."""
+"""Splitting a rank over several Fetch streams (``weightd.client.transports.streams``),
+pure parts."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import threading
 
 import pytest
 
-from weightd.client.errors import NotFoundError
-from weightd.client.streams import fetch_in_streams, split_by_bytes
+from weightd.client.base.errors import NotFoundError
+from weightd.client.transports.streams import fetch_in_streams, split_by_bytes
 
 SIZES = [("a", 100), ("b", 10), ("c", 60), ("d", 40), ("e", 0), ("f", 90)]
 
@@ -81,8 +82,8 @@ def test_streams_merge_in_group_order_and_report_progress() -> None:
 def test_merged_report_adds_up_every_stream_count() -> None:
     """One report for a fetch of several streams: a recheck or a restart on any stream
     shows in the fetch's report (the counts are summed, positions concatenated)."""
-    from weightd.client.resumable import ResumeReport
-    from weightd.client.streams import merge_reports
+    from weightd.client.transports.resumable import ResumeReport
+    from weightd.client.transports.streams import merge_reports
 
     a = ResumeReport(streams=2, resumed_at=[3], rechecks=1, received_bytes=100, resent_bytes=10)
     b = ResumeReport(streams=3, resumed_at=[1, 4], restarts=1, received_bytes=50, resent_bytes=5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightd.client.transports import candidates, side_socket_path
+from weightd.client.transports.selection import candidates, side_socket_path
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from weightd.client import FileDigest, ModelDescription
 from weightd.common.sampling import header_tensors, sample_ranges
 from weightd.server.registry.identity import host_boot_id, shard_samples
 from weightd.server.registry.models import load_model
-from weightd.vllm.identity import compare_files, local_sample
+from weightd.vllm.share.identity import compare_files, local_sample
 
 CONFIG = dict(
     vocab_size=128,
@@ -196,8 +196,8 @@ def test_the_loader_refuses_unproven_shards_unless_the_operator_opts_out(
     pair: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     from weightd.vllm.errors import WeightdLoadError
-    from weightd.vllm.loader import check_identity
-    from weightd.vllm.options import parse_options
+    from weightd.vllm.loader.model_loader import check_identity
+    from weightd.vllm.loader.options import parse_options
 
     base, finetune = pair
     served = _described(base)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from weightd.vllm.lora_middleware import _model_of, _read, _replay
+from weightd.vllm.lora.middleware import _model_of, _read, _replay
 
 
 def receiver(parts: list[bytes], then: str = "http.disconnect") -> Any:

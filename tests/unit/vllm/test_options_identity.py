@@ -15,8 +15,8 @@ import pytest
 from weightd.client import FileDigest, ModelDescription
 from weightd.common.sockets import default_target
 from weightd.vllm.errors import WeightdLoadError
-from weightd.vllm.identity import compare
-from weightd.vllm.options import parse_options
+from weightd.vllm.loader.options import parse_options
+from weightd.vllm.share.identity import compare
 
 
 def test_defaults_are_the_default_socket_and_the_only_model() -> None:
@@ -123,8 +123,8 @@ def test_every_address_form_is_a_target(target: str) -> None:
 def test_the_loader_says_why_by_the_errors_type_not_its_code() -> None:
     """A NOT_FOUND is "model not served" only when the daemon said ModelNotFound: a
     TensorNotFound (also NOT_FOUND) says so; an old daemon's bare code says its class."""
-    from weightd.client import errors as ce
-    from weightd.vllm.loader import _why
+    from weightd.client.base import errors as ce
+    from weightd.vllm.loader.model_loader import _why
 
     def sent(code: int, reason: str) -> ce.WeightdError:
         return ce.error_for(code, "d", reason=reason)

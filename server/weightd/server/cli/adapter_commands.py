@@ -107,7 +107,7 @@ def run_adapter(args: argparse.Namespace) -> int:
     if args.adapter_command == "digest":
         print(directory_digest(args.directory))
         return 0
-    from weightd.client.admin import AdminClient
+    from weightd.client.api.admin import AdminClient
 
     if args.adapter_command == "load":
         _operands(args, ("name", "source"))

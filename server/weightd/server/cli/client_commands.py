@@ -169,7 +169,7 @@ def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
 
 def _target(args: argparse.Namespace, *, admin: bool = False) -> str:
     """The gRPC target of the address given (the default socket when none was)."""
-    from weightd.client.addresses import connect_target
+    from weightd.client.api.addresses import connect_target
 
     given = target_of(args)
     if given is None and admin:
@@ -262,7 +262,7 @@ def run_health(args: argparse.Namespace) -> int:
 
     from grpc_health.v1 import health_pb2
 
-    from weightd.client.addresses import missing_socket
+    from weightd.client.api.addresses import missing_socket
 
     deadline = time.monotonic() + args.wait
     target = _target(args)
@@ -295,7 +295,7 @@ def run_health(args: argparse.Namespace) -> int:
 def health_failure(target: str, service: str, exc: grpc.RpcError) -> str:
     """What a failed health ``Check`` means: only a call that reached no daemon is
     UNREACHABLE; any other code is the daemon's own answer, and is said to be."""
-    from weightd.client.addresses import from_call
+    from weightd.client.api.addresses import from_call
 
     error = from_call(exc, target)
     code = error.code

@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # verify, manifest, serve, list and describe start seconds faster without it.
     explained: tuple[type[Exception], ...] = (WeightdError,)
     if args.command in ("fetch", "list", "describe", "health", "reload", "adapter", "publish"):
-        from weightd.client.errors import WeightdError as ClientError
+        from weightd.client.base.errors import WeightdError as ClientError
 
         explained = (WeightdError, ClientError)
 

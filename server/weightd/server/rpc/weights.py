@@ -285,7 +285,7 @@ class WeightsService:
         throughput (measured in the gRPC notebook under ``docs/notes/``). What is lost
         is the daemon noticing by itself bytes changed under an unchanged size and
         mtime; a client whose check fails asks again with ``rehash`` set, so the daemon
-        then finds out and marks the model broken (``weightd.client.resumable``). Each
+        then finds out and marks the model broken (the client's ``resumable.py``). Each
         piece is read from the shard straight into the message that carries it, when
         the message is built just before it is yielded (see :mod:`.wire` for why
         messages are not built with protobuf, and why they are written in place).

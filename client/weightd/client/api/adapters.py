@@ -1,0 +1,171 @@
+"""Worker-side adapter helpers: fetch a rank's LoRA slices, watch for load/replace/unload.
+
+A worker keeps one :func:`watch_adapters` stream open and refetches an adapter when
+an event names a version it does not hold; each fetch carries the version it got, so
+a worker always knows which version it applies (the daemon leases it for the fetch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import grpc
+import torch
+
+from weightd.v1 import weightd_pb2 as pb
+
+from ..base.errors import DataLossError, InvalidArgumentError, from_rpc_error
+from ..base.layout import Layout
+from ..receive.fetchwire import WireResponse
+from ..receive.stream import receive_all
+from ..transports.selection import FetchInfo, Transport
+from .adapter_files import AdapterStatus, status_of
+
+__all__ = [
+    "AdapterEvent",
+    "AdapterStatus",
+    "AdapterWatch",
+    "AdapterWeights",
+    "fetch_adapter",
+    "fetch_adapter_via",
+    "status_of",
+]
+
+_KINDS: Final = {
+    pb.AdapterEvent.LOAD: "load",
+    pb.AdapterEvent.REPLACE: "replace",
+    pb.AdapterEvent.UNLOAD: "unload",
+}
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One rank's slices of one adapter version: ``<module>.lora_{A,B}.weight`` tensors."""
+
+    name: str
+    version: int
+    digest: str
+    base_model: str
+    scaling: dict[str, float]  # module -> factor applied to B @ A @ x
+    tensors: dict[str, torch.Tensor]
+    #: How they were served: ``info.transport`` is "grpc", "shm" or "cuda_ipc"; for
+    #: "auto", ``info.reason`` and ``info.fallbacks`` say why (as for base fetches).
+    info: FetchInfo | None = None
+
+    @property
+    def transport(self) -> str:
+        return self.info.transport if self.info is not None else "grpc"
+
+
+@dataclass(frozen=True)
+class AdapterEvent:
+    kind: str  # "load" | "replace" | "unload"
+    name: str
+    version: int
+    digest: str
+    reason: str = ""
+
+
+def fetch_adapter(
+    stub: Any, name: str, rank: int, world_size: int, timeout: float | None, chunk_bytes: int
+) -> AdapterWeights:
+    request = pb.FetchAdapterRequest(
+        name=name,
+        layout=pb.Layout(tp_size=world_size, tp_rank=rank),
+        max_chunk_bytes=chunk_bytes,
+    )
+    first: list[WireResponse] = []
+    tensors = receive_all(stub.FetchAdapter(request, timeout=timeout), first)
+    info = first[0].adapter if first else None
+    if info is None:
+        raise DataLossError(f"adapter {name!r}: the daemon did not say which version it sent")
+    return AdapterWeights(
+        info.name, info.version, info.digest, info.base_model, dict(info.scaling), tensors
+    )
+
+
+def fetch_adapter_via(
+    target: str,
+    stub: Any,
+    name: str,
+    rank: int,
+    world_size: int,
+    *,
+    transport: Transport,
+    device: str | torch.device | None,
+    copy: bool,
+    verify: bool,
+    timeout: float | None,
+    chunk_bytes: int,
+) -> AdapterWeights:
+    """:func:`fetch_adapter` over the transport ``negotiated_fetch`` picks, like base fetches.
+
+    Over shared memory / CUDA IPC the tensors view the adapter version's pack, whose
+    lease (held while any tensor lives, or until ``copy`` made private ones) also holds
+    that version in the daemon: an unload or replace cannot free what a worker maps.
+    """
+    from ..transports.local_fetch import negotiated_fetch
+
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidArgumentError(
+            f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
+        )
+    if device is None:
+        device = "cuda" if transport == "cuda_ipc" else "cpu"
+    streamed: list[AdapterWeights] = []
+
+    def grpc_fetch() -> dict[str, torch.Tensor]:
+        streamed.append(fetch_adapter(stub, name, rank, world_size, timeout, chunk_bytes))
+        return streamed[-1].tensors
+
+    tensors, info = negotiated_fetch(
+        target,
+        transport,
+        grpc_fetch,
+        model="",
+        layout=Layout(tp_size=world_size, tp_rank=rank),
+        names=(),
+        device=torch.device(device),
+        copy=copy,
+        verify=verify,
+        timeout=timeout,
+        adapter=name,
+    )
+    if info.transport == "grpc":
+        got = streamed[-1]
+        return AdapterWeights(
+            got.name, got.version, got.digest, got.base_model, got.scaling, tensors, info
+        )
+    ref = info.pack.adapter if info.pack is not None else None
+    if ref is None or ref.name != name:
+        raise DataLossError(f"adapter {name!r}: the daemon granted a pack of something else")
+    return AdapterWeights(
+        ref.name, ref.version, ref.digest, ref.base_model, dict(ref.scaling), tensors, info
+    )
+
+
+class AdapterWatch:
+    """An iterator of :class:`AdapterEvent`; ``close()`` (or ``with``) ends the stream."""
+
+    def __init__(self, stub: Any, timeout: float | None) -> None:
+        self._call = stub.WatchAdapters(pb.WatchAdaptersRequest(), timeout=timeout)
+
+    def __iter__(self) -> Iterator[AdapterEvent]:
+        try:
+            for e in self._call:
+                yield AdapterEvent(_KINDS[e.kind], e.name, e.version, e.digest, e.reason)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.CANCELLED:
+                return
+            raise from_rpc_error(exc) from None
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> AdapterWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

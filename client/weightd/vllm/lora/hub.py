@@ -1,0 +1,352 @@
+"""The API-server side of weightd LoRA in vLLM: a name → the verified version's private copy.
+
+vLLM loads a LoRA adapter from a directory (``LoRARequest.lora_path``): every worker
+reads ``adapter_config.json`` and ``adapter_model.safetensors`` there
+(``WorkerLoRAManager._load_adapter``), at a step of the engine loop where a failure
+would stop the engine. So the weightd side does everything that can fail *before*
+vLLM sees the adapter, in the API server process, where a failure is an HTTP error:
+
+1. ``ResolveAdapter``: the daemon's current version of the name (loaded from its
+   roots on request, when its operator allows that name);
+2. ``FetchAdapterFiles``: that version's two files exactly as the daemon verified
+   them, written as they arrive into a new private directory (0700, this user's; files
+   0400) and hashed on the way; the directory is renamed into place, named after the
+   version (``<dir>/<name>@v<version>-<digest prefix>``), only when they give the
+   version's digest (the one an operator pins). Nothing of it stays in memory here.
+
+**Why a private copy, not tensors handed to ``LoRAModel.from_lora_tensors``:** vLLM
+has no hook for a worker to take tensors from anywhere but that path (the loader
+class is fixed in ``LoRAModelRunnerMixin.load_lora_model``), so tensors would mean
+patching vLLM's worker internals, and a daemon call inside the engine loop, where an
+unreachable daemon kills the engine instead of failing one request. The copy is made
+from bytes checked against the digest the daemon verified, in a directory only the
+engine's user can write (who can also write the engine's memory: no new trust), and
+vLLM's own code reads it, so PEFT's settings (rank, alpha, ``rank_pattern``,
+``alpha_pattern``, rsLoRA, target modules) are the daemon's verified
+``adapter_config.json``, byte for byte, not rebuilt. Cost: one write of the adapter
+per version per API server, and each worker reads the whole file (as vLLM always
+does); the daemon's per-rank slices and shared packs are not used by vLLM's LoRA.
+
+**The version is in what vLLM keys on.** ``lora_name`` is ``<name>@v<version>`` and
+``lora_path`` the version's directory: vLLM's prefix cache keys a LoRA request's
+blocks on ``(lora_name, lora_path)`` (``v1/core/kv_cache_utils.py``), so blocks of
+one version are never reused for another; and two versions of one adapter in one
+batch stay two adapters (vLLM's worker collects the batch's adapters in a set keyed
+by ``lora_name``: two versions under one name would collapse into one).
+
+Concurrent requests for one name share one daemon round trip and one preparation
+(single-flight per name, on top of the daemon's own per-name single-flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from weightd.client import (
+    DeadlineExceededError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+    WeightClient,
+    WeightdError,
+)
+from weightd.client.api.adapter_files import AdapterStatus
+from weightd.common.again import asks_again
+
+from ..share.identity import compare
+from .options import ENV, LoRAOptions, parse_lora_options
+
+log = logging.getLogger("vllm.weightd.lora")
+
+_PLAIN: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
+
+
+class AdapterUnavailable(Exception):
+    """An adapter a request named cannot be served; ``status`` is the HTTP status.
+
+    404: unknown (not loaded, not loadable on request); 400: refused (tampered, digest
+    mismatch, another base model, modules PEFT would not apply, not allowed, vLLM
+    refused it); 503: the daemon is unreachable or over its adapter budget.
+    The message names the adapter and the reason.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One version's private copy, ready for vLLM."""
+
+    name: str
+    version: int
+    digest: str
+    path: str
+    prepared_seconds: float = 0.0  # fetching and writing it, 0 when it was ready
+
+    @property
+    def lora_name(self) -> str:
+        """The name vLLM keys this version on (prefix cache, the batch's adapter set)."""
+        return f"{self.name}@v{self.version}"
+
+
+def unavailable(name: str, target: str, exc: WeightdError) -> AdapterUnavailable:
+    """The HTTP status and message for a daemon's answer about adapter ``name`` (pure)."""
+    if isinstance(exc, NotFoundError):
+        return AdapterUnavailable(404, f"weightd adapter {name!r} not found: {exc.detail}")
+    if isinstance(exc, UnavailableError) and asks_again(exc.detail):
+        return AdapterUnavailable(
+            503, f"weightd adapter {name!r}: the daemon is still loading it: {exc.detail}"
+        )
+    if isinstance(exc, UnavailableError | DeadlineExceededError):
+        return AdapterUnavailable(
+            503, f"weightd adapter {name!r}: the daemon at {target} is unreachable: {exc.detail}"
+        )
+    if isinstance(exc, ResourceExhaustedError):
+        return AdapterUnavailable(
+            503, f"weightd adapter {name!r}: the daemon cannot hold it now: {exc.detail}"
+        )
+    return AdapterUnavailable(400, f"weightd adapter {name!r} refused: {exc.detail}")
+
+
+def _dir_name(name: str, version: int, digest: str) -> str:
+    hashed = "adapter-" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    plain = name if _PLAIN.match(name) else hashed
+    return f"{plain}@v{version}-{digest.removeprefix('sha256:')[:12]}"
+
+
+@dataclass
+class _Retired:
+    path: str
+    since: float
+
+
+@dataclass
+class LoRAHub:
+    """One per API-server process (see :func:`hub`); thread- and task-safe."""
+
+    options: LoRAOptions
+    _client: WeightClient | None = None
+    _root: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _ready: dict[tuple[str, int], Prepared] = field(default_factory=dict)
+    _retired: list[_Retired] = field(default_factory=list)
+    #: Every private copy this hub made (path -> when, in this hub's order of
+    #: preparation), retired ones included. Not the daemon's version numbers: a
+    #: restarted daemon numbers its versions from 1 again.
+    _paths: dict[str, int] = field(default_factory=dict)
+    _seq: int = 0
+    _pending: dict[str, asyncio.Future[Prepared]] = field(default_factory=dict)
+    #: vLLM's base model directory -> "" (it is the daemon's model) or why not.
+    _bases: dict[str, str] = field(default_factory=dict)
+
+    # --- the one call ------------------------------------------------------------------
+
+    async def current(self, name: str, base_dir: str | None = None) -> Prepared:
+        """The daemon's current version of ``name``, its private copy written.
+
+        ``base_dir``: vLLM's base model directory, checked once to be the daemon's model
+        (an adapter verified against another checkpoint must not be applied to it).
+        Raises :class:`AdapterUnavailable`. Callers that arrive while a call for the
+        same name is in flight get that call's answer (one daemon round trip for all).
+        """
+        pending = self._pending.get(name)
+        if pending is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(self._current, name, base_dir))
+            self._pending[name] = pending
+            pending.add_done_callback(lambda _: self._pending.pop(name, None))
+        return await asyncio.shield(pending)
+
+    def _current(self, name: str, base_dir: str | None) -> Prepared:
+        client = self._connect()
+        o = self.options
+        try:
+            if base_dir is not None:
+                self._check_base(client, base_dir, name)
+            status = self._resolve(client, name)
+            ready = self._ready.get((name, status.version))
+            if ready is not None and ready.digest == status.digest:
+                return ready
+        except WeightdError as exc:
+            raise unavailable(name, o.target, exc) from None
+        started = time.monotonic()
+        try:
+            path = self._write(client, status)
+        except WeightdError as exc:
+            raise unavailable(name, o.target, exc) from None
+        except OSError as exc:
+            raise AdapterUnavailable(
+                500, f"weightd adapter {name!r}: cannot write its private copy: {exc}"
+            ) from None
+        return self._publish(status, path, time.monotonic() - started)
+
+    def _resolve(self, client: WeightClient, name: str) -> AdapterStatus:
+        """ResolveAdapter, asked again (with backoff, within ``timeout``) while the daemon
+        says a load on request is in progress: it never keeps a caller waiting on one of
+        its threads for long."""
+        o = self.options
+        deadline = time.monotonic() + o.timeout
+        wait = 0.02
+        while True:
+            try:
+                return client.resolve_adapter(name, model=o.model or None, load=o.load)
+            except UnavailableError as exc:
+                if not asks_again(exc.detail) or time.monotonic() + wait > deadline:
+                    raise
+            time.sleep(wait)
+            wait = min(wait * 2, 0.5)
+
+    def _check_base(self, client: WeightClient, base_dir: str, name: str) -> None:
+        """Refuse every adapter if vLLM's base model is not the daemon's (checked once).
+
+        A base that is not a local directory (a hub id vLLM downloads) cannot be
+        compared: it is accepted, and the adapter's own check (its
+        ``base_model_name_or_path`` names the daemon's model) is what remains.
+        """
+        problem = self._bases.get(base_dir)
+        if problem is None:
+            problem = ""
+            if os.path.isdir(base_dir):
+                desc = client.describe(self.options.model or None)
+                differences = compare(Path(base_dir), desc)
+                if differences:
+                    problem = (
+                        f"the daemon's model {desc.name!r} is not vLLM's base model "
+                        f"{base_dir}: " + "; ".join(str(d) for d in differences)
+                    )
+            self._bases[base_dir] = problem
+        if problem:
+            raise AdapterUnavailable(400, f"weightd adapter {name!r} refused: {problem}")
+
+    # --- the private copies ------------------------------------------------------------
+
+    def _connect(self) -> WeightClient:
+        with self._lock:
+            if self._client is None:
+                self._client = WeightClient(self.options.target, timeout=self.options.timeout)
+            return self._client
+
+    def root(self) -> str:
+        """This process's private directory (0700), made on first use, removed at exit."""
+        with self._lock:
+            if self._root is None:
+                parent = self.options.dir or None
+                if parent is not None:
+                    os.makedirs(parent, mode=0o700, exist_ok=True)
+                self._root = tempfile.mkdtemp(prefix="weightd-lora-", dir=parent)
+                atexit.register(_remove_tree, self._root)
+            return self._root
+
+    def _write(self, client: WeightClient, status: AdapterStatus) -> str:
+        """The version's files, received straight into a new directory, checked against
+        its digest, then renamed into place read-only; its path."""
+        root = self.root()
+        final = os.path.join(root, _dir_name(status.name, status.version, status.digest))
+        if os.path.isdir(final):
+            return final
+        tmp = tempfile.mkdtemp(prefix=".partial-", dir=root)
+        try:
+            o = self.options
+            client.fetch_adapter_files_into(status.name, status.version, tmp, max_bytes=o.max_bytes)
+            os.chmod(tmp, 0o500)
+            os.rename(tmp, final)
+        except BaseException:
+            _remove_tree(tmp)
+            if os.path.isdir(final):  # another caller wrote the same version meanwhile
+                return final
+            raise
+        return final
+
+    def _publish(self, status: AdapterStatus, final: str, seconds: float) -> Prepared:
+        prepared = Prepared(status.name, status.version, status.digest, final, seconds)
+        with self._lock:
+            self._ready[(status.name, status.version)] = prepared
+            self._seq += 1
+            self._paths[final] = self._seq
+            expired = self._expired()
+        for gone in expired:
+            _remove_tree(gone)
+        log.info(
+            "weightd: adapter %r version %d (%s) verified and written to %s in %.3f s",
+            status.name,
+            status.version,
+            status.digest,
+            final,
+            prepared.prepared_seconds,
+        )
+        return prepared
+
+    def _expired(self) -> list[str]:
+        """Copies of superseded versions older than ``retain_seconds`` (under the lock).
+
+        A superseded version is kept that long because requests that started on it
+        may still need vLLM to read it again (a worker's adapter cache evicted it).
+        """
+        now = time.monotonic()
+        keep = [r for r in self._retired if now - r.since < self.options.retain_seconds]
+        gone = [r.path for r in self._retired if now - r.since >= self.options.retain_seconds]
+        self._retired = keep
+        for path in gone:
+            self._paths.pop(path, None)
+        return gone
+
+    def owns(self, path: str) -> bool:
+        """Whether ``path`` is a private copy this hub made (so its entry is weightd's)."""
+        return path in self._paths
+
+    def newer(self, path: str, than: str) -> bool:
+        """Whether the copy at ``path`` was prepared after the one at ``than``."""
+        return self._paths.get(path, 0) > self._paths.get(than, 0)
+
+    def retire(self, path: str) -> None:
+        """vLLM no longer gives new requests the copy at ``path`` (a newer version took
+        its place, or the adapter is gone): it is removed ``retain_seconds`` from now,
+        since requests that started on it may need vLLM to read it again meanwhile.
+        Copies vLLM still serves are never retired, so never removed."""
+        with self._lock:
+            if path not in self._paths:
+                return
+            self._retired.append(_Retired(path, time.monotonic()))
+            for key, ready in list(self._ready.items()):
+                if ready.path == path:
+                    del self._ready[key]
+            expired = self._expired()
+        for gone in expired:
+            _remove_tree(gone)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a private copy (its directories are read-only: made writable first)."""
+    for top, dirs, _ in os.walk(path):
+        for d in [top, *(os.path.join(top, x) for x in dirs)]:
+            with contextlib.suppress(OSError):
+                os.chmod(d, stat.S_IRWXU)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_HUB: list[LoRAHub] = []
+_HUB_LOCK = threading.Lock()
+
+
+def hub() -> LoRAHub:
+    """This process's hub, configured from ``WEIGHTD_LORA`` on first use."""
+    with _HUB_LOCK:
+        if not _HUB:
+            _HUB.append(LoRAHub(parse_lora_options(os.environ.get(ENV))))
+        return _HUB[0]

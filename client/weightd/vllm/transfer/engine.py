@@ -1,0 +1,356 @@
+"""``weight_transfer_config={"backend": "weightd"}``: running engines move to a new version.
+
+vLLM 0.32's weight-transfer plug point (``vllm/distributed/weight_transfer/``) runs one
+engine object per worker; the engine's ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` (Python: ``LLM``'s methods of the same names; HTTP: the
+``/start_weight_update`` ... routes) call it on every worker through vLLM's
+``collective_rpc``. With this backend an update names a version the daemon serves::
+
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"model": "llama", "version": 7}})
+    llm.finish_weight_update(weight_version="7")
+
+and ``update_weights`` does, on every worker, all or nothing:
+
+1. **hold**: the worker takes a hold on that version in the daemon (``HoldVersion``,
+   with a TTL covering the update) and asks for its description, which must have the
+   tensor names, dtypes and shapes of the engine's checkpoint (``shapes.py``). Every
+   rank reports to every other (vLLM's CPU process group); if any rank failed, every
+   rank raises the same error and nothing was fetched. From here on the version stays
+   in the daemon whatever is published meanwhile.
+2. **stage**: each worker fetches only its own share of the version (its TP/PP layout,
+   vLLM's vocabulary padding; shared memory on the daemon's host, gRPC otherwise),
+   beside the running model: over gRPC every slice is checked against the daemon's
+   digest as it arrives (into memory of its own); over shared memory the share is a
+   view of the daemon's sealed pack, whose every byte the daemon checked against the
+   verified digests as it built it (``verify`` re-hashes it here too). Again every
+   rank reports; if any rank could not fetch or verify its
+   share, every rank raises one error naming the failing rank(s), the model and the
+   version, drops what it staged, and the engine keeps its weights, untouched.
+3. **apply**: only when every rank staged its whole share, each loads it in place
+   through vLLM's own ``model.load_weights`` inside vLLM's layer-wise reload (which
+   re-runs each layer's post-processing, e.g. the CPU GEMM repacking), so fused,
+   padded and repacked parameters stay vLLM's code (``presharded.py``).
+
+Everything happens inside the one ``update_weights`` call, which vLLM's engine runs on
+every worker between two scheduler steps: no step sees some ranks on the old version
+and others on the new. A request already running across the update sees the old
+weights for its earlier tokens (pause generation first, as for every backend). The
+hold is released once every rank staged (or failed).
+
+``finish_weight_update(weight_version=...)`` is where vLLM records the engine's
+version: pass the daemon's number (:func:`weightd.vllm.transfer.rl.update_llm` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from weightd.client import WeightClient, WeightdError
+from weightd.client.transports.selection import Transport
+from weightd.common.sockets import default_target
+
+from ..errors import WeightdLoadError
+from ..share.fetch import LoadReport, Weights, fetch_share
+from ..share.placement import worker_layout
+from ..share.presharded import presharded_reloading
+from ..share.vocab import padded_layout
+from .shapes import differences
+
+log = logging.getLogger("vllm.weightd")
+
+#: Seconds a worker's calls to the daemon may take, when the update does not say.
+DEFAULT_TIMEOUT = 300.0
+#: Added to the timeout for the hold's TTL: it must outlive the slowest rank's fetch.
+HOLD_MARGIN = 60.0
+_TRANSPORTS = ("auto", "grpc", "shm")
+
+
+class WeightdUpdateError(RuntimeError):
+    """An update failed on some rank; no rank applied it (unless the message says so)."""
+
+
+@dataclass
+class WeightdInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
+    """Defaults for every update (``init_weight_transfer_engine``; optional)."""
+
+    target: str | None = None
+    model: str | None = None
+    transport: str = "auto"
+    timeout: float | None = None
+
+
+@dataclass
+class WeightdUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
+    """One update: the model and the version the daemon serves (``VersionInfo.version``).
+
+    ``target``, ``model``, ``transport``, ``timeout`` override the init info; vLLM also
+    accepts a list with one dict per worker (by global rank), e.g. another target each.
+    """
+
+    version: int = 0
+    model: str | None = None
+    target: str | None = None
+    transport: str | None = None
+    timeout: float | None = None
+    #: Also re-hash a shared-memory share against the pack's digests. Off by default:
+    #: the daemon checked every byte against the verified digests as it built the pack,
+    #: which is a sealed memfd nobody can change since (``weightd.client.transports.shm``); a gRPC
+    #: share is always checked as it arrives.
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int):
+            raise ValueError(f"update_info['version'] must be an integer, got {self.version!r}")
+        if self.version < 1:
+            raise ValueError(
+                "update_info['version'] must name a version the daemon serves (>= 1: "
+                "WatchVersions, `weightd list`), not the moving 'current' one"
+            )
+        if self.transport is not None and self.transport not in _TRANSPORTS:
+            raise ValueError(
+                f"update_info['transport'] is {self.transport!r}; expected one of {_TRANSPORTS}"
+            )
+
+
+@dataclass
+class UpdateReport:
+    """What one worker's latest update did (for tests, benchmarks and the log)."""
+
+    model: str
+    version: int
+    rank: int
+    ok: bool = False
+    error: str = ""
+    hold_seconds: float = 0.0
+    stage_seconds: float = 0.0
+    apply_seconds: float = 0.0
+    share: LoadReport | None = None
+
+
+def _creating_worker() -> Any:
+    """The vLLM ``Worker`` whose ``load_model`` is creating this engine, or None.
+
+    Found by walking up the creating frames to the object that has the worker's update
+    session flag (``Worker._weight_update_active``, vLLM 0.32's ``v1/worker/gpu_worker.py``,
+    which the CPU worker inherits): see :meth:`WeightdWeightTransferEngine.update_weights`
+    for why a rank must end its session itself. None (every rank then raises) when the
+    structure is not the one expected.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if hasattr(candidate, "_weight_update_active") and hasattr(candidate, "model_runner"):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """``obj`` of every rank of this engine, in rank order (vLLM's CPU process group)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
+    if group.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
+class WeightdWeightTransferEngine(
+    WeightTransferEngine[WeightdInitInfo, WeightdUpdateInfo]  # type: ignore[misc]
+):
+    """The ``weightd`` backend; see the module docstring."""
+
+    init_info_cls = WeightdInitInfo
+    update_info_cls = WeightdUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._worker = _creating_worker()
+        self.defaults = WeightdInitInfo()
+        #: The daemon version these weights are (0: what the engine started with).
+        self.version = 0
+        #: The latest update's report.
+        self.last: UpdateReport | None = None
+        self._holder = f"vllm-{getattr(self.vllm_config, 'instance_id', '') or 'engine'}"
+
+    def init_transfer_engine(self, init_info: WeightdInitInfo) -> None:
+        if init_info.transport not in _TRANSPORTS:
+            raise ValueError(
+                f"init_info['transport'] is {init_info.transport!r}; expected one of {_TRANSPORTS}"
+            )
+        self.defaults = init_info
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: each update stages aside, then applies in one step."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing left: ``update_weights`` applied the version on every rank, or none."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """:meth:`receive_weights`; a failure is raised by the engine's last rank only.
+
+        Why: vLLM's multiprocess executor reads the workers' replies in rank order and
+        raises at the first failure, leaving the later ranks' replies queued, where the
+        engine's next ``collective_rpc`` reads them as its own (``get_response`` in
+        ``v1/executor/multiproc_executor.py``): after a failure raised on every rank,
+        every later call to every worker of a TP=2 engine failed. Every rank knows the
+        outcome (they agreed on it), so the others end their update session as vLLM
+        would have on an error (``Worker.update_weights``) and return; the last rank
+        raises the one error, which the engine reports.
+        """
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except WeightdUpdateError:
+            worker = self._worker
+            if group.rank_in_group == group.world_size - 1 or worker is None:
+                raise
+            worker._weight_update_active = False
+            self.reset_weight_update_target()
+            return
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def shutdown(self) -> None:
+        """No connection outlives an update."""
+
+    # --- the update -----------------------------------------------------------------------
+
+    def receive_weights(self, update_info: WeightdUpdateInfo) -> None:
+        from vllm.distributed.parallel_state import get_world_group
+
+        rank = get_world_group().rank_in_group
+        d = self.defaults
+        target = update_info.target or d.target or default_target()
+        model_name = update_info.model or d.model or ""
+        transport: Transport = update_info.transport or d.transport or "auto"  # type: ignore[assignment]
+        timeout = update_info.timeout or d.timeout or DEFAULT_TIMEOUT
+        version = update_info.version
+        layout = padded_layout(worker_layout(self.model_config), self.model)
+        report = UpdateReport(model_name or "(the daemon's only model)", version, rank)
+        self.last = report
+        where = f"rank {rank} ({layout.describe()}, weightd at {target})"
+        what = f"model {report.model!r} version {version}"
+
+        with WeightClient(target, timeout=timeout) as client:
+            # 1. hold the version and check its shapes, on every rank
+            started = time.perf_counter()
+            hold = None
+            problem = ""
+            desc = None
+            try:
+                hold = client.hold_version(
+                    model_name, version, holder=self._holder, ttl=timeout + HOLD_MARGIN
+                )
+                desc = client.describe(model_name, version=version)
+                report.model = desc.name
+                what = f"model {desc.name!r} version {version}"
+                changed = differences(Path(self.model_config.model), desc)
+                if changed:
+                    problem = (
+                        "its shapes differ from the engine's checkpoint "
+                        f"({self.model_config.model}): " + "; ".join(changed)
+                    )
+            except (WeightdError, WeightdLoadError, OSError, ValueError) as exc:
+                problem = str(exc)
+            report.hold_seconds = time.perf_counter() - started
+            try:
+                self._agree("refused before any rank fetched a byte", what, where, problem)
+                # 2. stage: every rank fetches and verifies its whole share, aside
+                started = time.perf_counter()
+                weights: Weights = []
+                try:
+                    assert desc is not None
+                    weights, report.share = fetch_share(
+                        client,
+                        desc,
+                        layout,
+                        self.model,
+                        transport=transport,
+                        version=version,
+                        verify=update_info.verify,
+                    )
+                except (WeightdError, WeightdLoadError, OSError, ValueError) as exc:
+                    problem = str(exc)
+                report.stage_seconds = time.perf_counter() - started
+                self._agree("no rank applied it", what, where, problem)
+            finally:
+                if hold is not None:
+                    hold.release()
+        # 3. apply, every rank: all of them staged their whole share
+        started = time.perf_counter()
+        try:
+            self._apply(weights)
+        except Exception as exc:  # vLLM's loaders raise what they raise
+            log.exception("weightd: %s could not apply %s", where, what)
+            problem = f"{type(exc).__name__}: {exc}"
+        del weights
+        report.apply_seconds = time.perf_counter() - started
+        self._agree(
+            "some ranks may have applied it: the engine's weights are inconsistent, restart it",
+            what,
+            where,
+            problem,
+        )
+        self.version = version
+        report.ok = True
+        log.info(
+            "weightd: %s updated in place to %s: hold %.2fs, stage %.2fs (%.1f MiB over %s), "
+            "apply %.2fs",
+            where,
+            what,
+            report.hold_seconds,
+            report.stage_seconds,
+            (report.share.bytes if report.share else 0) / 2**20,
+            report.share.transport if report.share else "",
+            report.apply_seconds,
+        )
+
+    def _agree(self, consequence: str, what: str, where: str, problem: str) -> None:
+        """Every rank's outcome to every rank; raise on all of them if any failed."""
+        outcomes = _all_gather((where, problem))
+        failed = [(w, p) for w, p in outcomes if p]
+        if not failed:
+            return
+        detail = "; ".join(f"{w}: {p}" for w, p in failed)
+        message = (
+            f"weightd: update to {what} failed on {len(failed)} of {len(outcomes)} rank(s) "
+            f"({consequence}; the engine keeps version {self.version or 'it started with'}): "
+            f"{detail}"
+        )
+        if self.last is not None:
+            self.last.error = message
+        raise WeightdUpdateError(message)
+
+    def _apply(self, weights: Weights) -> None:
+        """Load the staged share in place through vLLM's layer-wise reload."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        initialize_layerwise_reload(self.model)
+        with presharded_reloading(self.model):
+            self.model.load_weights(iter(weights))
+            # Layers loaded only in part (a rank's padded vocabulary rows) are processed
+            # here, with the loaders they were given: still ours.
+            finalize_layerwise_reload(self.model, self.model_config)
