@@ -18,12 +18,13 @@ adapter unloaded while a request still uses it, a replace seen half-way). Here:
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final
+
+from weightd.common.watch import EventQueue
 
 from ..base.cleanup import release_frames
 from ..base.errors import AdapterBudgetExhausted, AdapterNotFound
@@ -84,29 +85,12 @@ class Lease:
         self.release()
 
 
-class Watch:
-    """An ordered stream of events for one watcher; ``close`` ends it."""
+class Watch(EventQueue[AdapterEvent]):
+    """An ordered stream of adapter events for one watcher; ``close`` ends it."""
 
     def __init__(self, registry: AdapterRegistry) -> None:
+        super().__init__(MAX_PENDING_EVENTS, lambda: registry._unwatch(self))
         self._registry = registry
-        self._queue: queue.Queue[AdapterEvent | None] = queue.Queue(MAX_PENDING_EVENTS)
-        self.overflowed = False
-
-    def _put(self, event: AdapterEvent | None) -> None:
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            self.overflowed = True
-            self._registry._unwatch(self)
-
-    def next(self, timeout: float | None = None) -> AdapterEvent | None:
-        """The next event, or None when closed (or on timeout)."""
-        if self.overflowed and self._queue.empty():
-            return None
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
 
     def __iter__(self) -> Iterator[AdapterEvent]:
         while (event := self.next()) is not None:
@@ -115,7 +99,7 @@ class Watch:
     def close(self) -> None:
         with self._registry._lock:
             self._registry._unwatch(self)
-        self._queue.put(None)
+        super().close()
 
 
 @dataclass
@@ -352,7 +336,7 @@ class AdapterRegistry:
         with self._lock:
             for entry in self._entries.values():
                 v = entry.current
-                w._put(AdapterEvent("load", v.name, v.version, v.adapter.digest))
+                w.put(AdapterEvent("load", v.name, v.version, v.adapter.digest))
             self._watches.append(w)
         return w
 
@@ -364,7 +348,7 @@ class AdapterRegistry:
         for callback in self._on_event:
             callback(event)
         for w in list(self._watches):
-            w._put(event)
+            w.put(event)
 
     def current(self) -> list[tuple[AdapterVersion, bool, int]]:
         """(version, pinned, leases) of each loaded adapter, by name."""

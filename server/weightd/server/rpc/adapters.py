@@ -22,9 +22,9 @@ from ..adapters.load import CONFIG_FILE, WEIGHTS_FILE
 from ..adapters.packing import slice_bytes
 from ..adapters.registry import AdapterEvent, AdapterVersion, Lease
 from ..adapters.service import AdapterService, AdapterState, check_name
-from ..base.errors import WatchOverflow
 from ..weights.layouts import Layout
 from .status import abort
+from .watches import watch_stream
 from .wire import chunk_bytes, slice_header
 
 log = logging.getLogger("weightd.adapters")
@@ -34,8 +34,6 @@ _KINDS: Final = {
     "replace": pb.AdapterEvent.REPLACE,
     "unload": pb.AdapterEvent.UNLOAD,
 }
-#: Seconds between checks that a watcher is still connected.
-WATCH_POLL_SECONDS: Final = 1.0
 
 
 def status(v: AdapterVersion, pinned: bool = False, leases: int = 0) -> pb.AdapterStatus:
@@ -197,22 +195,7 @@ class Adapters:
 
     def watch(self, context: grpc.ServicerContext) -> Iterator[pb.AdapterEvent]:
         w = self.service.registry.watch()
-        try:
-            while context.is_active() and not self._stop.is_set():
-                event = w.next(timeout=WATCH_POLL_SECONDS)
-                if event is None:
-                    if w.overflowed:
-                        abort(
-                            context,
-                            WatchOverflow(
-                                "watcher fell too far behind the adapter events; watch again"
-                            ),
-                            "WatchAdapters",
-                        )
-                    continue
-                yield to_pb(event)
-        finally:
-            w.close()
+        return watch_stream(w, context, self._stop, to_pb, "WatchAdapters", "adapter")
 
 
 def to_pb(e: AdapterEvent) -> pb.AdapterEvent:
