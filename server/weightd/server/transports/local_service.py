@@ -130,8 +130,8 @@ class PackService:
         self.memory = memory
         #: Pack id -> leases the daemon itself holds (declared layouts, ``prebuild``):
         #: not a worker's, so stats and metrics count them apart.
-        self._daemon_holds: Counter[int] = Counter()
-        self._holds_lock = threading.Lock()
+        self._own_leases: Counter[int] = Counter()
+        self._own_lock = threading.Lock()
         counter = itertools.count(1)
         id_lock = threading.Lock()
 
@@ -155,25 +155,27 @@ class PackService:
         if adapters is not None:
             adapters.registry.on_drop(self._adapter_dropped)
 
-    def hold(self, lease: Lease[HostPack], held: bool) -> None:
-        """Count ``lease`` as the daemon's own (``held``) or no longer (prebuild's)."""
-        with self._holds_lock:
-            self._daemon_holds[lease.pack_id] += 1 if held else -1
-            if self._daemon_holds[lease.pack_id] <= 0:
-                del self._daemon_holds[lease.pack_id]
+    def count_own(self, lease: Lease[HostPack], own: bool) -> None:
+        """Count ``lease`` as the daemon's own (``own``) or no longer (prebuild's).
 
-    def _holds(self) -> Counter[int]:
-        with self._holds_lock:
-            return Counter(self._daemon_holds)
+        A pack lease, not a hold: "hold" is what keeps a version (model or adapter)."""
+        with self._own_lock:
+            self._own_leases[lease.pack_id] += 1 if own else -1
+            if self._own_leases[lease.pack_id] <= 0:
+                del self._own_leases[lease.pack_id]
+
+    def _own(self) -> Counter[int]:
+        with self._own_lock:
+            return Counter(self._own_leases)
 
     def host_usage(self) -> dict[str, tuple[int, int]]:
         """Model name -> (bytes, worker leases) of its shared-memory packs, for the metrics."""
         usage: dict[str, tuple[int, int]] = {}
-        holds = self._holds()
+        own = self._own()
         for state in self.host.states():
             if isinstance(state.info, PackInfo) and state.info.adapter is None:
                 size, leases = usage.get(state.info.model, (0, 0))
-                workers = state.leases - holds[state.pack_id]
+                workers = state.leases - own[state.pack_id]
                 usage[state.info.model] = (size + state.size, leases + workers)
         return usage
 
@@ -327,7 +329,7 @@ class PackService:
         )
 
     def _acquire_adapter(self, req: lpb.AcquirePack) -> Outcome:
-        """The current version of adapter ``req.adapter``: its pack, leased with the version."""
+        """The current version of adapter ``req.adapter``: its pack, leased, the version held."""
         if self.adapters is None:
             raise NoAdapters("this daemon serves no adapters")
         if req.model or req.names:
@@ -338,7 +340,7 @@ class PackService:
         check_tp_only(layout)
         adapters = self.adapters
         ws, rank = req.layout.tp_size, req.layout.tp_rank
-        version = adapters.registry.lease(req.adapter)
+        version = adapters.registry.hold(req.adapter)
         try:
             v = version.version
             plan = adapters.plan(v, layout)
@@ -423,7 +425,7 @@ class PackService:
             return answer(self.boot_id, lease, list(req.names), kinds)
         tag = info.adapter
         try:
-            version = self.adapters.registry.lease_version(tag.name, tag.version)
+            version = self.adapters.registry.hold_version(tag.name, tag.version)
         except AdapterNotFound:
             lease.release()
             self._adapter_dropped(tag.name, tag.version)  # dropped while we attached
@@ -446,12 +448,12 @@ class PackService:
             cuda_budget_bytes=sum(c.budget_bytes for c in self.gpu.values()),
             connections=self.connections(),
         )
-        holds = self._holds()
+        own = self._own()
         for cache in self._caches():
             out.builds_total += cache.builds_total
             out.evictions_total += cache.evictions_total
             for s in cache.states():
-                held = holds[s.pack_id] if cache is self.host else 0
+                held = own[s.pack_id] if cache is self.host else 0
                 info = s.info
                 assert isinstance(info, PackInfo)
                 out.packs.add(

@@ -157,7 +157,7 @@ class LayoutPrebuilder:
                 lease = self.packs.host_lease(
                     model, plan, build=functools.partial(build, i), declared=True
                 )
-                self.packs.hold(lease, True)
+                self.packs.count_own(lease, True)
                 leases.append(lease)
         except BaseException:
             for lease in leases:
@@ -179,7 +179,7 @@ class LayoutPrebuilder:
             WeightService.drop_shard_pages(model)
 
     def _let_go(self, lease: Lease[HostPack]) -> None:
-        self.packs.hold(lease, False)
+        self.packs.count_own(lease, False)
         lease.release()
 
     def held(self, model: str) -> int:
