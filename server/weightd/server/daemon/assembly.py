@@ -15,10 +15,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from weightd.common.cuda_driver import CudaDriver
-
-from ..adapters.registry import AdapterRegistry
-from ..adapters.service import AdapterService
 from ..base.cleanup import on_error
 from ..base.errors import ListenError
 from ..config import ServeConfig, build
@@ -27,8 +23,6 @@ from ..plan.rules_file import load_rules_file
 from ..registry.filewatch import ShardWatcher
 from ..registry.loading import Reloader, load_independently, load_source, publish_source
 from ..registry.models import LoadedModel, ModelRegistry
-from ..registry.publish import Publisher
-from ..registry.versions import ModelVersions
 from ..rpc.adapters import Adapters
 from ..rpc.guards import AdminGate
 from ..rpc.interceptors import InflightTracker, RpcObserver
@@ -37,41 +31,31 @@ from ..rpc.streams import StreamBounds, StreamWatchdog
 from ..rpc.versions import Versions
 from ..rpc.weights import WeightsService, add_weights_service
 from ..rpc.wire import WEIGHTS_SERVICE
-from ..sources.location import default_model_name
 from ..sources.resolver import SourceResolver
 from ..telemetry import logs
-from ..telemetry.metrics import Metrics, MetricsServer, SourceMetrics, serve_metrics
+from ..telemetry.metrics import Metrics, MetricsServer, serve_metrics
 from ..transports.local_server import LocalObserver, LocalServer, start_local_server
 from ..transports.local_service import PackService
 from ..transports.options import check_config
 from ..transports.prebuild import LayoutPrebuilder
 from ..trust.verify import VerifyOptions
-from ..weights.service import WeightService
 from . import lifecycle, listeners
 from .addresses import Address, parse_address, prepare_unix_socket, settle_address
 from .collectors import (
-    GpuMemoryCollector,
-    ModelCollector,
-    ModelStateCollector,
     PinnedMemoryCollector,
     PinnedState,
     ShmPackCollector,
     ShmPackState,
     adapter_metrics,
 )
-from .prebuilding import layout_memory, prebuilder_for, prepare_at_start, register_host_memory
+from .domain import Domain, build_domain, expect_models
+from .prebuilding import prepare_at_start, register_host_memory
 from .security import (
     TlsFiles,
     TlsMaterial,
     check_admin_listener,
     check_worker_listener,
     read_tls,
-)
-from .versioning import (
-    VersionCollector,
-    drop_packs_with_versions,
-    reload_preparation,
-    version_preparation,
 )
 
 log = logging.getLogger("weightd")
@@ -203,98 +187,9 @@ def _register_local_collectors(registry: CollectorRegistry, local: LocalServer) 
         )
 
 
-@dataclass
-class _Domain:
-    """What every listener serves, built before any listens, each part given its
-    collaborators at construction (the weights door, the packs, the version hooks)."""
-
-    registry: ModelRegistry
-    metrics: Metrics | None
-    metrics_registry: CollectorRegistry | None
-    resolver: SourceResolver
-    adapter_service: AdapterService
-    adapters: Adapters
-    weights: WeightService
-    reloader: Reloader
-    versions: Versions
-    #: The side socket's packs and the declared layouts' prebuilder (Unix listeners).
-    packs: PackService | None = None
-    prebuilder: LayoutPrebuilder | None = None
-
-
-def _build_domain(
-    config: ServeConfig,
-    local: bool,
-    driver: CudaDriver | None,
-    metrics_registry: CollectorRegistry | None,
-) -> _Domain:
-    """The registry and everything both edges call; ``local``: the side socket is served."""
-    registry = ModelRegistry()
-    metrics = None
-    if metrics_registry is not None:
-        metrics = Metrics.create(metrics_registry, version=listeners.version())
-        metrics_registry.register(ModelCollector(registry, metrics.scrape_errors))
-        metrics_registry.register(ModelStateCollector(registry))
-        metrics_registry.register(GpuMemoryCollector())
-    # Every configured model is known (``loading``) before anything listens (the side
-    # socket accepts from its creation): a request that names no model during start-up
-    # then hears "still being verified" (UNAVAILABLE, retried), not "this daemon serves
-    # 0 models" (a caller's mistake it did not make).
-    _expect_models(registry, metrics, [(m.name, m.value) for m in config.model])
-    source_metrics = (
-        SourceMetrics.create(metrics_registry) if metrics_registry is not None else None
-    )
-    verify = build.verify_options(config)
-    resolver = SourceResolver(build.source_options(config), verify, source_metrics)
-    adapter_service = AdapterService(
-        registry,
-        AdapterRegistry(config.adapters.budget_bytes),
-        list(config.adapters.root),
-        resolver=resolver,
-        autoload=build.autoload_policy(config),
-        # A quarter of the stream slots may load, a quarter wait: the rest stay free.
-        autoload_slots=max(1, config.server.max_workers // 4),
-    )
-    model_versions = ModelVersions()  # numbered from the registry's first publish
-    model_versions.attach(registry)
-    weights = WeightService(registry, model_versions)
-    packs = prebuilder = None
-    if local:
-        memory = layout_memory(config)
-        packs = PackService(
-            weights, build.local_config(config), driver, adapter_service, memory=memory
-        )
-        prebuilder = prebuilder_for(config, packs, memory)
-        drop_packs_with_versions(model_versions, packs)
-    prepare = version_preparation(packs, prebuilder)
-    reloader = Reloader(
-        registry,
-        metrics,
-        sources={m.name or default_model_name(m.value): m.value for m in config.model},
-        options=verify,
-        resolver=resolver,
-        prepare=reload_preparation(packs, prepare),
-    )
-    if metrics_registry is not None:
-        metrics_registry.register(VersionCollector(model_versions.held))
-    return _Domain(
-        registry,
-        metrics,
-        metrics_registry,
-        resolver,
-        adapter_service,
-        Adapters(adapter_service),
-        weights,
-        reloader,
-        Versions(model_versions, Publisher(reloader, prepare)),
-        packs,
-        prebuilder,
-    )
-
-
 def _worker_server(
     config: ServeConfig,
-    domain: _Domain,
+    domain: Domain,
     interceptors: list[grpc.ServerInterceptor],
     health_servicer: health.HealthServicer,
 ) -> grpc.Server:
@@ -389,7 +284,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
 
     ``metrics_registry``: where the daemon registers its metrics (tests pass their own);
     None creates one when ``config.metrics_listen`` is set, else no metrics at all.
-    The domain first (:func:`_build_domain`), then one step per listener: the worker's
+    The domain first (:func:`.domain.build_domain`), then one step per listener: the worker's
     gRPC server, its side socket, admin, health, metrics.
     """
     server_config = config.server
@@ -415,7 +310,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     if metrics_registry is None and config.metrics.listen is not None:
         metrics_registry = CollectorRegistry()
     local = address.kind == "unix" and local_config.enabled
-    domain = _build_domain(config, local, driver, metrics_registry)
+    domain = build_domain(config, local, driver, metrics_registry)
     registry, metrics = domain.registry, domain.metrics
     tracker = InflightTracker()
     observer = RpcObserver(metrics, tracker, listeners.model_resolver(registry))
@@ -440,7 +335,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         metrics,
         watchdog=watchdog,
         metrics_registry=metrics_registry,
-        # What the listeners serve, built before any of them (see _build_domain):
+        # What the listeners serve, built before any of them (see domain.py):
         adapters=domain.adapters,
         resolver=domain.resolver,
         versions=domain.versions,
@@ -484,18 +379,6 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     return daemon
 
 
-def _expect_models(
-    registry: ModelRegistry, metrics: Metrics | None, models: list[tuple[str | None, str]]
-) -> list[tuple[str, str]]:
-    """``models`` by name, each registered as ``loading`` (idempotent)."""
-    named = [(name or default_model_name(d), d) for name, d in models]
-    for name, _ in named:
-        registry.expect(name)
-        if metrics is not None:
-            metrics.model_known(name)
-    return named
-
-
 def load_models(
     daemon: Daemon,
     models: list[tuple[str | None, str]],
@@ -507,7 +390,7 @@ def load_models(
     whatever the others do. A model that fails is ``failed`` (the others serve; a reload
     retries it); only when every model failed does the first failure propagate (there
     is nothing to serve)."""
-    named = _expect_models(daemon.registry, daemon.metrics, models)
+    named = expect_models(daemon.registry, daemon.metrics, models)
     if daemon.reloader is not None:
         daemon.reloader.tables = tuple(tables)
 
