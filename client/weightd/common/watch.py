@@ -105,6 +105,10 @@ class EventStream(Generic[M, E]):
         self._convert = convert
         self._failed = failed
 
+    def close(self) -> None:
+        """End the watch (the daemon's stream is cancelled; iteration stops)."""
+        self._call.cancel()
+
     def __iter__(self) -> Iterator[E]:
         messages: Iterable[M] = self._call
         try:
@@ -117,10 +121,6 @@ class EventStream(Generic[M, E]):
             if error is exc:
                 raise
             raise error from None
-
-    def close(self) -> None:
-        """End the watch (the daemon's stream is cancelled; iteration stops)."""
-        self._call.cancel()
 
     def __enter__(self) -> Self:
         return self
