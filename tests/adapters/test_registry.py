@@ -1,4 +1,4 @@
-"""The registry: watch order, leases across replace/unload, LRU budget, coalesced loads."""
+"""The registry: watch order, holds across replace/unload, LRU budget, coalesced loads."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_watch_sees_load_replace_unload_in_order(lora: Fixture, base: Checkpoint
 
 def fetch_and_check(reg: AdapterRegistry, base: Checkpoint, name: str) -> int:
     """One worker fetch (TP=1): lease, cut every slice, check each against load digests."""
-    with reg.lease(name) as version:
+    with reg.hold(name) as version:
         adapter = version.adapter
         plan = plan_adapter(adapter.modules, base, rules_for(base.config), 1, 0)
         assert len(plan.slices) == 2 * len(adapter.modules)
@@ -126,15 +126,15 @@ def test_fetches_race_replace_and_unload(lora: Fixture, base: Checkpoint) -> Non
     assert not failures, failures[0]
     assert len(fetched) >= 150
     assert len(set(fetched)) >= 5  # fetches really spanned several versions
-    held, leases, nbytes = reg.stats()
-    assert (held, leases) == (1, 0)  # every retired version freed once its leases ended
+    held, holds, nbytes = reg.stats()
+    assert (held, holds) == (1, 0)  # every retired version freed once its holds ended
     assert nbytes == reg.current()[0][0].adapter.nbytes
 
 
-def test_lease_outlives_unload_and_replace() -> None:
+def test_hold_outlives_unload_and_replace() -> None:
     reg = AdapterRegistry()
     reg.load("a", "s1", None, lambda: fake(10, "1"))
-    lease = reg.lease("a")
+    lease = reg.hold("a")
     reg.load("a", "s2", None, lambda: fake(20, "2"))
     assert reg.stats() == (2, 1, 30)
     reg.unload("a")
@@ -144,7 +144,7 @@ def test_lease_outlives_unload_and_replace() -> None:
     lease.release()  # once only
     assert reg.stats() == (0, 0, 0)
     with pytest.raises(AdapterNotFound, match="no adapter named 'a' is loaded"):
-        reg.lease("a")
+        reg.hold("a")
 
 
 def test_budget_evicts_lru_unleased_unpinned_only() -> None:
@@ -152,11 +152,11 @@ def test_budget_evicts_lru_unleased_unpinned_only() -> None:
     w = reg.watch()
     for name in ("a", "b", "c"):
         reg.load(name, name, None, lambda: fake(30))
-    reg.lease("a").release()  # a is now more recent than b
+    reg.hold("a").release()  # a is now more recent than b
     reg.set_pinned("c", True)
     reg.load("d", "d", None, lambda: fake(30))  # needs 20 more: evicts b (LRU, unpinned)
     assert [v.name for v, _, _ in reg.current()] == ["a", "c", "d"]
-    held = reg.lease("a")
+    held = reg.hold("a")
     with pytest.raises(AdapterBudgetExhausted, match="adapter 'e' needs 60 bytes"):
         reg.load("e", "e", None, lambda: fake(60))  # a leased, c pinned: only d could go
     assert [v.name for v, _, _ in reg.current()] == ["a", "c", "d"]  # nothing evicted
@@ -215,8 +215,8 @@ def test_versions_are_let_go_once_retired_and_unleased() -> None:
     v1 = reg.load("x", "1", None, lambda: fake(10, "1"))
     v2 = reg.load("x", "2", None, lambda: fake(10, "2"))
     assert dropped == [("x", v1.version)]  # replaced, never leased
-    lease = reg.lease("x")
-    again = reg.lease_version("x", v2.version)  # an attach to v2's pack
+    lease = reg.hold("x")
+    again = reg.hold_version("x", v2.version)  # an attach to v2's pack
     v3 = reg.load("x", "3", None, lambda: fake(10, "3"))
     assert dropped == [("x", v1.version)]  # v2 retired but leased twice
     lease.release()
@@ -224,7 +224,7 @@ def test_versions_are_let_go_once_retired_and_unleased() -> None:
     again.release()
     assert dropped == [("x", v1.version), ("x", v2.version)]
     with pytest.raises(AdapterNotFound, match=f"version {v2.version} of adapter 'x'"):
-        reg.lease_version("x", v2.version)
+        reg.hold_version("x", v2.version)
     reg.unload("x")
     assert dropped[-1] == ("x", v3.version) and reg.stats() == (0, 0, 0)
 
@@ -281,7 +281,7 @@ def test_check_room_refuses_before_a_read_and_evicts_nothing() -> None:
     reg = AdapterRegistry(budget_bytes=100)
     reg.load("a", "/a", None, lambda: fake(60, "a"))
     reg.check_room("b", 100)  # fits once "a" (unleased) is evicted: not refused
-    lease = reg.lease("a")
+    lease = reg.hold("a")
     with pytest.raises(AdapterBudgetExhausted, match="adapter 'b' needs 100 bytes"):
         reg.check_room("b", 100)
     lease.release()

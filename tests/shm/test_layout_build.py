@@ -24,6 +24,7 @@ from weightd.server.registry.models import ModelRegistry, load_model
 from weightd.server.transports.local_service import PackService, key_of
 from weightd.server.transports.options import LocalConfig, PrebuildOptions
 from weightd.server.transports.prebuild import LayoutPrebuilder
+from weightd.server.weights.service import WeightService
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
 
@@ -87,7 +88,7 @@ def test_a_declared_build_that_reads_changed_bytes_fails_the_model_with_data_los
 ) -> None:
     directory, shard = _changed_under_us(transformers_models["llama"], tmp_path)
     registry = ModelRegistry()
-    packs = PackService(registry, LocalConfig())
+    packs = PackService(WeightService(registry), LocalConfig())
     declared = (DeclaredLayout(None, LayoutGroup(2)),)
     prebuilder = LayoutPrebuilder(packs, PrebuildOptions(declared=declared), None)
     model = load_model(str(directory), "m")
@@ -118,7 +119,7 @@ def test_a_worker_that_does_not_wait_gets_pending_before_the_build_says_built(
     starts can log ``pack_built``; the asker holds no lease meanwhile, the next one
     (after the build) gets the pack."""
     registry = ModelRegistry()
-    packs = PackService(registry, LocalConfig())
+    packs = PackService(WeightService(registry), LocalConfig())
     model = load_model(str(transformers_models["llama"]), "m")
     registry.publish(model)
     request = lpb.LocalRequest(

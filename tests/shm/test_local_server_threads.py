@@ -24,6 +24,7 @@ from weightd.server.transports import local_server
 from weightd.server.transports.local_server import LocalServer
 from weightd.server.transports.local_service import PackService
 from weightd.server.transports.options import LocalConfig
+from weightd.server.weights.service import WeightService
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def side() -> Iterator[tuple[LocalServer, str]]:
     # AF_UNIX paths are limited to ~108 bytes, so not pytest's deep tmp_path.
     with tempfile.TemporaryDirectory(prefix="wd-", dir="/tmp") as tmp:
         path = str(Path(tmp) / "s.local")
-        server = LocalServer(path, PackService(ModelRegistry(), LocalConfig()), 8)
+        server = LocalServer(path, PackService(WeightService(ModelRegistry()), LocalConfig()), 8)
         server.start()
         try:
             yield server, path

@@ -108,6 +108,29 @@ def test_publish_announces_versions_and_fetch_names_them(
     assert events[1].info.fingerprint == published.fingerprint
 
 
+def test_one_rule_for_a_version_on_both_wires(
+    daemon: RunningDaemon, versions: dict[str, Path]
+) -> None:
+    """gRPC's Fetch and the side socket meet the same WeightService: the same version
+    serves the same bytes, and a version not held is the same refusal, on both."""
+    layout = Layout(tp_size=2, tp_rank=1)
+    refusals: dict[str, tuple[str, str, str, dict[str, str]]] = {}
+    with WeightClient(daemon.target, timeout=60) as client:
+        for transport in ("grpc", "shm"):
+            for version in (0, 1):  # 0: the current one
+                got = client.fetch_layout(layout, model="m", version=version, transport=transport)
+                check_rank(got, versions["v1"], layout)
+                info = client.last_fetch
+                assert info is not None and info.transport == transport
+            with pytest.raises(NotFoundError) as caught:
+                client.fetch_layout(layout, model="m", version=7, transport=transport)
+            e = caught.value
+            refusals[transport] = (e.code_name, e.reason, e.detail, e.metadata)
+    assert refusals["grpc"] == refusals["shm"]
+    assert refusals["grpc"][1] == "VersionNotHeld"
+    assert "version 7 is not held" in refusals["grpc"][2]
+
+
 def test_a_held_version_survives_a_reload_and_goes_with_its_last_hold(
     tmp_path: Path, daemon: RunningDaemon, versions: dict[str, Path]
 ) -> None:

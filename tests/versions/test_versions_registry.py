@@ -17,6 +17,7 @@ from weightd.server.base.errors import (
     ModelNotFound,
     VersionNotHeld,
 )
+from weightd.server.registry import versions as versions_module
 from weightd.server.registry.holdbounds import HoldBounds
 from weightd.server.registry.models import LoadedModel, ModelRegistry, load_model
 from weightd.server.registry.versions import ModelVersions, VersionWatch
@@ -210,3 +211,19 @@ def test_a_client_refuses_a_stream_of_another_version(
     else:
         with pytest.raises(error):
             check_version(asked, named)
+
+
+def test_a_watcher_that_falls_behind_is_cut_off_and_no_longer_fed(
+    setup: Setup, dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry, versions, _ = setup
+    monkeypatch.setattr(versions_module, "MAX_PENDING_EVENTS", 1)
+    slow = versions.watch("m")
+    publish(registry, dirs["v1"])
+    publish(registry, dirs["v2"])  # the second event finds the slow watcher's queue full
+    assert slow.overflowed
+    assert drain(slow) == [("ready", 1)]  # what it queued first, then nothing
+    publish(registry, dirs["v3"])
+    assert drain(slow) == []  # cut off: no longer fed
+    fresh = versions.watch("m")  # watching again starts from the current version
+    assert drain(fresh) == [("ready", 3)]

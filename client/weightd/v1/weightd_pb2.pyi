@@ -1189,6 +1189,9 @@ class AdapterStatus(_message.Message):
     nbytes: _builtins.int
     pinned: _builtins.bool
     leases: _builtins.int
+    """Holds on this version: FetchAdapter streams in flight and adapter packs leased by
+    workers (the field's name predates the word "hold"; it stays for the wire).
+    """
     source_dir: _builtins.str
     """the real path it was read from"""
     def __init__(

@@ -121,7 +121,7 @@ class WeightsServicer:
     def FetchAdapter(self, request, context):
         """Streams one rank's slices of a LoRA adapter, in the same chunk format as Fetch.
         The first message names the version served (FetchResponse.adapter); the stream
-        holds a lease on that version, so an unload or replace meanwhile never tears it.
+        holds that version, so an unload or replace meanwhile never tears it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,7 +151,7 @@ class WeightsServicer:
         """One adapter version's two files (adapter_config.json, then
         adapter_model.safetensors), exactly the bytes the daemon verified: their SHA-256s
         give the version's digest (see adapters/load.py adapter_digest), which the client
-        checks. For engines that read PEFT's files themselves (vLLM). The stream leases
+        checks. For engines that read PEFT's files themselves (vLLM). The stream holds
         the version, so an unload or replace meanwhile never tears it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -52,7 +52,7 @@ class WeightsStub:
     FetchAdapter: _grpc.UnaryStreamMultiCallable[_weightd_pb2.FetchAdapterRequest, _weightd_pb2.FetchResponse]
     """Streams one rank's slices of a LoRA adapter, in the same chunk format as Fetch.
     The first message names the version served (FetchResponse.adapter); the stream
-    holds a lease on that version, so an unload or replace meanwhile never tears it.
+    holds that version, so an unload or replace meanwhile never tears it.
     """
     WatchAdapters: _grpc.UnaryStreamMultiCallable[_weightd_pb2.WatchAdaptersRequest, _weightd_pb2.AdapterEvent]
     """Adapter changes as they happen: first a load event for every adapter loaded now,
@@ -70,7 +70,7 @@ class WeightsStub:
     """One adapter version's two files (adapter_config.json, then
     adapter_model.safetensors), exactly the bytes the daemon verified: their SHA-256s
     give the version's digest (see adapters/load.py adapter_digest), which the client
-    checks. For engines that read PEFT's files themselves (vLLM). The stream leases
+    checks. For engines that read PEFT's files themselves (vLLM). The stream holds
     the version, so an unload or replace meanwhile never tears it.
     """
     WatchVersions: _grpc.UnaryStreamMultiCallable[_weightd_pb2.WatchVersionsRequest, _weightd_pb2.VersionEvent]
@@ -107,7 +107,7 @@ class WeightsAsyncStub(WeightsStub):
     FetchAdapter: _aio.UnaryStreamMultiCallable[_weightd_pb2.FetchAdapterRequest, _weightd_pb2.FetchResponse]  # type: ignore[assignment]
     """Streams one rank's slices of a LoRA adapter, in the same chunk format as Fetch.
     The first message names the version served (FetchResponse.adapter); the stream
-    holds a lease on that version, so an unload or replace meanwhile never tears it.
+    holds that version, so an unload or replace meanwhile never tears it.
     """
     WatchAdapters: _aio.UnaryStreamMultiCallable[_weightd_pb2.WatchAdaptersRequest, _weightd_pb2.AdapterEvent]  # type: ignore[assignment]
     """Adapter changes as they happen: first a load event for every adapter loaded now,
@@ -125,7 +125,7 @@ class WeightsAsyncStub(WeightsStub):
     """One adapter version's two files (adapter_config.json, then
     adapter_model.safetensors), exactly the bytes the daemon verified: their SHA-256s
     give the version's digest (see adapters/load.py adapter_digest), which the client
-    checks. For engines that read PEFT's files themselves (vLLM). The stream leases
+    checks. For engines that read PEFT's files themselves (vLLM). The stream holds
     the version, so an unload or replace meanwhile never tears it.
     """
     WatchVersions: _aio.UnaryStreamMultiCallable[_weightd_pb2.WatchVersionsRequest, _weightd_pb2.VersionEvent]  # type: ignore[assignment]
@@ -183,7 +183,7 @@ class WeightsServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_weightd_pb2.FetchResponse], _abc.AsyncIterator[_weightd_pb2.FetchResponse]]:
         """Streams one rank's slices of a LoRA adapter, in the same chunk format as Fetch.
         The first message names the version served (FetchResponse.adapter); the stream
-        holds a lease on that version, so an unload or replace meanwhile never tears it.
+        holds that version, so an unload or replace meanwhile never tears it.
         """
 
     @_abc_1.abstractmethod
@@ -219,7 +219,7 @@ class WeightsServicer(metaclass=_abc_1.ABCMeta):
         """One adapter version's two files (adapter_config.json, then
         adapter_model.safetensors), exactly the bytes the daemon verified: their SHA-256s
         give the version's digest (see adapters/load.py adapter_digest), which the client
-        checks. For engines that read PEFT's files themselves (vLLM). The stream leases
+        checks. For engines that read PEFT's files themselves (vLLM). The stream holds
         the version, so an unload or replace meanwhile never tears it.
         """
 

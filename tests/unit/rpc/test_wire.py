@@ -184,9 +184,10 @@ def test_service_table_covers_every_method_of_the_proto() -> None:
             self.registered[service] = handlers
 
     from weightd.server.registry.models import ModelRegistry
+    from weightd.server.weights.service import WeightService
 
     rec = Recorder()
-    add_weights_service(WeightsService(ModelRegistry()), rec)  # type: ignore[arg-type]
+    add_weights_service(WeightsService(WeightService(ModelRegistry())), rec)  # type: ignore[arg-type]
     descriptor = pb.DESCRIPTOR.services_by_name["Weights"]
     assert descriptor.full_name == WEIGHTS_SERVICE
     handlers = rec.registered[WEIGHTS_SERVICE]

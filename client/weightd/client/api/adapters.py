@@ -7,16 +7,15 @@ a worker always knows which version it applies (the daemon leases it for the fet
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-import grpc
 import torch
 
+from weightd.common.watch import EventStream
 from weightd.v1 import weightd_pb2 as pb
 
-from ..base.errors import DataLossError, InvalidArgumentError, from_rpc_error
+from ..base.errors import DataLossError, InvalidArgumentError, watch_failed
 from ..base.layout import Layout
 from ..receive.fetchwire import WireResponse
 from ..receive.stream import receive_all
@@ -146,26 +145,13 @@ def fetch_adapter_via(
     )
 
 
-class AdapterWatch:
+class AdapterWatch(EventStream[pb.AdapterEvent, AdapterEvent]):
     """An iterator of :class:`AdapterEvent`; ``close()`` (or ``with``) ends the stream."""
 
     def __init__(self, stub: Any, timeout: float | None) -> None:
-        self._call = stub.WatchAdapters(pb.WatchAdaptersRequest(), timeout=timeout)
+        call = stub.WatchAdapters(pb.WatchAdaptersRequest(), timeout=timeout)
+        super().__init__(call, _event, watch_failed)
 
-    def __iter__(self) -> Iterator[AdapterEvent]:
-        try:
-            for e in self._call:
-                yield AdapterEvent(_KINDS[e.kind], e.name, e.version, e.digest, e.reason)
-        except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.CANCELLED:
-                return
-            raise from_rpc_error(exc) from None
 
-    def close(self) -> None:
-        self._call.cancel()
-
-    def __enter__(self) -> AdapterWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _event(e: pb.AdapterEvent) -> AdapterEvent:
+    return AdapterEvent(_KINDS[e.kind], e.name, e.version, e.digest, e.reason)

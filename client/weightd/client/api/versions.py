@@ -10,15 +10,15 @@ its TTL passes if the holder dies).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from weightd.common.watch import EventStream
 from weightd.v1 import weightd_pb2 as pb
 
-from ..base.errors import WeightdError, from_rpc_error
+from ..base.errors import WeightdError, from_rpc_error, watch_failed
 
 log = logging.getLogger("weightd.client")
 
@@ -58,7 +58,7 @@ class VersionEvent:
     info: VersionInfo
 
 
-class VersionWatch:
+class VersionWatch(EventStream[pb.VersionEvent, VersionEvent]):
     """An iterator of :class:`VersionEvent`; ``close()`` (or ``with``) ends the stream.
 
     First the current version of every model (or of the one watched) as "ready", then
@@ -66,26 +66,12 @@ class VersionWatch:
     """
 
     def __init__(self, stub: Any, model: str, timeout: float | None) -> None:
-        self._call = stub.WatchVersions(pb.WatchVersionsRequest(model=model), timeout=timeout)
+        call = stub.WatchVersions(pb.WatchVersionsRequest(model=model), timeout=timeout)
+        super().__init__(call, _event, watch_failed)
 
-    def __iter__(self) -> Iterator[VersionEvent]:
-        try:
-            for e in self._call:
-                yield VersionEvent(_KINDS.get(e.kind, "unknown"), version_of(e.version))
-        except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.CANCELLED:
-                return
-            raise from_rpc_error(exc) from None
 
-    def close(self) -> None:
-        """End the watch (the daemon's stream is cancelled; iteration stops)."""
-        self._call.cancel()
-
-    def __enter__(self) -> VersionWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _event(e: pb.VersionEvent) -> VersionEvent:
+    return VersionEvent(_KINDS.get(e.kind, "unknown"), version_of(e.version))
 
 
 class VersionHold:

@@ -499,6 +499,19 @@ def from_rpc_error(error: grpc.RpcError) -> WeightdError:
     return error_for(_number(code.name), detail, reason=reason, metadata=metadata)
 
 
+def watch_failed(error: Exception) -> Exception | None:
+    """What a watch stream's failure means: None where it was cancelled (``close()``
+    ended it), the typed error for any other status, ``error`` itself where it is not
+    gRPC's (``weightd.common.watch.EventStream``)."""
+    import grpc  # loaded already: only a gRPC stream fails this way
+
+    if not isinstance(error, grpc.RpcError):
+        return error
+    if error.code() is grpc.StatusCode.CANCELLED:
+        return None
+    return from_rpc_error(error)
+
+
 def _error_info(error: grpc.RpcError) -> tuple[str, dict[str, str]]:
     """The ErrorInfo of a failed call's rich status: (reason, metadata), or ("", {})."""
     trailers = getattr(error, "trailing_metadata", None)

@@ -194,7 +194,7 @@ class AdapterCollector:
             gauge(
                 "weightd_adapter_versions",
                 "Adapter versions held in memory: the current ones, and replaced or "
-                "unloaded ones that a fetch or a mapped pack still leases.",
+                "unloaded ones that a fetch or a mapped pack still holds.",
             ),
             gauge(
                 "weightd_adapter_bytes",
@@ -202,7 +202,7 @@ class AdapterCollector:
             ),
             gauge(
                 "weightd_adapter_leases",
-                "Leases on adapter versions: gRPC fetches in flight and leased adapter packs.",
+                "Holds on adapter versions: gRPC fetches in flight and leased adapter packs.",
             ),
         )
         if self._packs is None:
@@ -217,13 +217,13 @@ class AdapterCollector:
     def collect(self) -> Iterator[Metric]:
         families = self._families()
         current = self._registry.current()
-        versions, leases, nbytes = self._registry.stats()
+        versions, holds, nbytes = self._registry.stats()
         values: list[float] = [
             len(current),
             sum(1 for _, pinned, _ in current if pinned),
             versions,
             nbytes,
-            leases,
+            holds,
         ]
         if self._packs is not None:
             usage = self._packs()

@@ -6,10 +6,11 @@ same budget and obey the same lease rules. What differs is what a pack depends o
 
 * the **key** is (adapter name, version, world size, rank), so a replace (a new
   version) gets a new pack and a worker still mapping the old one keeps it intact;
-* a pack **lease also holds the adapter version** in the registry
+* a pack **lease also holds the adapter version** in the registry (a hold, as every
+  claim that keeps a version is called; a lease is a claim on a pack's memory)
   (:class:`AdapterPackLease`), so an unload or replace never lets go of a version a
   worker maps; the lease ends with the worker's side-channel connection;
-* when the registry lets a version go (retired and unleased), its packs are freed at
+* when the registry lets a version go (retired and unheld), its packs are freed at
   once rather than at the end of their TTL (:func:`adapter_key_matches`): nobody can
   ask for that version again.
 
@@ -31,7 +32,7 @@ from ..packs import cache as pack_cache
 from ..packs.build import HostPack, build_pack
 from ..plan.slices import TensorSlice
 from .plan import AdapterSlicePlan
-from .registry import AdapterVersion, Lease
+from .registry import AdapterHold, AdapterVersion
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +83,14 @@ def build_adapter_pack(v: AdapterVersion, plan: AdapterSlicePlan, label: str) ->
 
 
 class AdapterPackLease:
-    """A pack lease and the registry lease on the version it holds, released together.
+    """A pack lease and the registry's hold on the version it holds, released together.
 
     Order matters: the pack is released first (it becomes idle), then the version; if
-    that was the version's last lease and it is retired, the registry's drop callback
+    that was the version's last hold and it is retired, the registry's drop callback
     finds the pack idle and frees it.
     """
 
-    def __init__(self, pack: pack_cache.Lease[Any], version: Lease) -> None:
+    def __init__(self, pack: pack_cache.Lease[Any], version: AdapterHold) -> None:
         self._pack = pack
         self._version = version
         self.pack: object = pack.pack  # a HostPack, or its GPU copy

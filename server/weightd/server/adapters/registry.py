@@ -1,13 +1,13 @@
-"""The adapter registry: immutable versions, atomic replace, leases, LRU budget, events.
+"""The adapter registry: immutable versions, atomic replace, holds, LRU budget, events.
 
 Engines keep adapters inside themselves, and that is where their races live (an
 adapter unloaded while a request still uses it, a replace seen half-way). Here:
 
 * a **version** never changes once published; load and replace publish a new one by
   swapping one reference under a lock, so a reader sees the old or the new, whole;
-* a **lease** pins the version a fetch started on: unload or replace retire the
-  version, but its bytes stay until the last lease is released;
-* a **budget** bounds the bytes held; to fit a new adapter, unleased and unpinned
+* a **hold** pins the version a fetch started on: unload or replace retire the
+  version, but its bytes stay until the last hold is released;
+* a **budget** bounds the bytes held; to fit a new adapter, unheld and unpinned
   adapters are evicted least recently used first, and if that is not enough the load
   fails and nothing is evicted;
 * concurrent loads of the same name and source **coalesce** into one read;
@@ -18,12 +18,13 @@ adapter unloaded while a request still uses it, a replace seen half-way). Here:
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final
+
+from weightd.common.watch import EventQueue
 
 from ..base.cleanup import release_frames
 from ..base.errors import AdapterBudgetExhausted, AdapterNotFound
@@ -60,12 +61,18 @@ class _Entry:
 @dataclass
 class _Held:
     version: AdapterVersion
-    leases: int = 0
+    #: Fetches and packs holding this version (``AdapterStatus.leases`` on the wire).
+    holds: int = 0
     retired: bool = False
 
 
-class Lease:
-    """A version held for one fetch; release exactly once (also via ``with``)."""
+class AdapterHold:
+    """A version held for one fetch or pack; release exactly once (also via ``with``).
+
+    "Hold", as for model versions (``HoldVersion``): what keeps a version in the daemon.
+    A lease is a connection's claim on a pack's memory (``packs/cache.py``); an adapter
+    pack's lease comes with a hold on its version (``packing.AdapterPackLease``).
+    """
 
     def __init__(self, registry: AdapterRegistry, version: AdapterVersion) -> None:
         self._registry = registry
@@ -84,29 +91,12 @@ class Lease:
         self.release()
 
 
-class Watch:
-    """An ordered stream of events for one watcher; ``close`` ends it."""
+class Watch(EventQueue[AdapterEvent]):
+    """An ordered stream of adapter events for one watcher; ``close`` ends it."""
 
     def __init__(self, registry: AdapterRegistry) -> None:
+        super().__init__(MAX_PENDING_EVENTS, lambda: registry._unwatch(self))
         self._registry = registry
-        self._queue: queue.Queue[AdapterEvent | None] = queue.Queue(MAX_PENDING_EVENTS)
-        self.overflowed = False
-
-    def _put(self, event: AdapterEvent | None) -> None:
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            self.overflowed = True
-            self._registry._unwatch(self)
-
-    def next(self, timeout: float | None = None) -> AdapterEvent | None:
-        """The next event, or None when closed (or on timeout)."""
-        if self.overflowed and self._queue.empty():
-            return None
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
 
     def __iter__(self) -> Iterator[AdapterEvent]:
         while (event := self.next()) is not None:
@@ -115,7 +105,7 @@ class Watch:
     def close(self) -> None:
         with self._registry._lock:
             self._registry._unwatch(self)
-        self._queue.put(None)
+        super().close()
 
 
 @dataclass
@@ -131,7 +121,7 @@ class AdapterRegistry:
     _versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     _clock: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     #: Called (outside the lock) with (name, version) when a version's bytes are let go:
-    #: retired and unleased. Packs built from it are freed then (see adapters.packs).
+    #: retired and unheld. Packs built from it are freed then (see adapters.packs).
     _on_drop: list[Callable[[str, int], None]] = field(default_factory=list)
     #: Called under the lock with every event, in order (metrics count them).
     _on_event: list[Callable[[AdapterEvent], None]] = field(default_factory=list)
@@ -207,7 +197,7 @@ class AdapterRegistry:
         """Refuse now, before anything is read, a load of ``need`` bytes that could not fit.
 
         The same arithmetic as publishing, without evicting: what is evictable now may
-        be leased by then, so publishing checks again.
+        be held by then, so publishing checks again.
         """
         if self.budget_bytes is None:
             return
@@ -228,9 +218,7 @@ class AdapterRegistry:
             (
                 e
                 for n, e in self._entries.items()
-                if n != replacing
-                and not e.pinned
-                and self._held[(n, e.current.version)].leases == 0
+                if n != replacing and not e.pinned and self._held[(n, e.current.version)].holds == 0
             ),
             key=lambda e: e.last_used,
         )
@@ -244,7 +232,7 @@ class AdapterRegistry:
         if free < need:
             raise AdapterBudgetExhausted(
                 f"adapter {replacing!r} needs {need} bytes; the adapter budget of "
-                f"{self.budget_bytes} bytes holds {held}, and leased or pinned adapters "
+                f"{self.budget_bytes} bytes holds {held}, and held or pinned adapters "
                 "cannot be evicted"
             )
         return chosen
@@ -273,7 +261,7 @@ class AdapterRegistry:
         key = (version.name, version.version)
         held = self._held[key]
         held.retired = True
-        if held.leases == 0:
+        if held.holds == 0:
             del self._held[key]
             self._dropped.append(key)
 
@@ -287,17 +275,17 @@ class AdapterRegistry:
             raise AdapterNotFound(f"no adapter named {name!r} is loaded", adapter=name)
         return entry
 
-    # --- leases ----------------------------------------------------------------------
+    # --- holds -----------------------------------------------------------------------
 
-    def lease(self, name: str) -> Lease:
-        """Hold the current version of ``name`` until the lease is released."""
+    def hold(self, name: str) -> AdapterHold:
+        """Hold the current version of ``name`` until the hold is released."""
         with self._lock:
             entry = self._entry(name)
             entry.last_used = next(self._clock)
-            self._held[(name, entry.current.version)].leases += 1
-            return Lease(self, entry.current)
+            self._held[(name, entry.current.version)].holds += 1
+            return AdapterHold(self, entry.current)
 
-    def lease_version(self, name: str, version: int) -> Lease:
+    def hold_version(self, name: str, version: int) -> AdapterHold:
         """Hold ``version`` of ``name`` (current or retired) while it still exists.
 
         For a second process attaching to an adapter pack another one fetched: the
@@ -311,15 +299,15 @@ class AdapterRegistry:
                     adapter=name,
                     version=version,
                 )
-            held.leases += 1
-            return Lease(self, held.version)
+            held.holds += 1
+            return AdapterHold(self, held.version)
 
     def _release(self, version: AdapterVersion) -> None:
         with self._lock:
             key = (version.name, version.version)
             held = self._held[key]
-            held.leases -= 1
-            if held.leases == 0 and held.retired:
+            held.holds -= 1
+            if held.holds == 0 and held.retired:
                 del self._held[key]
                 self._dropped.append(key)
         self._notify_dropped()
@@ -352,7 +340,7 @@ class AdapterRegistry:
         with self._lock:
             for entry in self._entries.values():
                 v = entry.current
-                w._put(AdapterEvent("load", v.name, v.version, v.adapter.digest))
+                w.put(AdapterEvent("load", v.name, v.version, v.adapter.digest))
             self._watches.append(w)
         return w
 
@@ -364,21 +352,21 @@ class AdapterRegistry:
         for callback in self._on_event:
             callback(event)
         for w in list(self._watches):
-            w._put(event)
+            w.put(event)
 
     def current(self) -> list[tuple[AdapterVersion, bool, int]]:
-        """(version, pinned, leases) of each loaded adapter, by name."""
+        """(version, pinned, holds) of each loaded adapter, by name."""
         with self._lock:
             return [
-                (e.current, e.pinned, self._held[(n, e.current.version)].leases)
+                (e.current, e.pinned, self._held[(n, e.current.version)].holds)
                 for n, e in sorted(self._entries.items())
             ]
 
     def stats(self) -> tuple[int, int, int]:
-        """(versions held, leases outstanding, bytes held), retired versions included."""
+        """(versions held, holds outstanding, bytes held), retired versions included."""
         with self._lock:
             return (
                 len(self._held),
-                sum(h.leases for h in self._held.values()),
+                sum(h.holds for h in self._held.values()),
                 sum(h.version.adapter.nbytes for h in self._held.values()),
             )

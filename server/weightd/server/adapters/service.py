@@ -3,7 +3,7 @@
 Names are checked, loads are verified against their base model and published through
 the registry, and a version is planned for a rank, here, once. The gRPC servicer
 (:mod:`weightd.server.rpc.adapters`) only converts messages and streams bytes; the
-side channel (:mod:`weightd.server.transports`) leases versions and plans packs through
+side channel (:mod:`weightd.server.transports`) holds versions and plans packs through
 the same calls, so neither transport depends on the other.
 """
 
@@ -67,7 +67,8 @@ class AdapterState:
 
     version: AdapterVersion
     pinned: bool = False
-    leases: int = 0
+    #: Fetches and packs holding the version (``AdapterStatus.leases`` on the wire).
+    holds: int = 0
 
 
 def check_name(name: str) -> None:

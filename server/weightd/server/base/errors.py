@@ -586,7 +586,8 @@ class AdapterBudgetExhausted(ResourceLimitError):
 
 
 class WatchOverflow(ResourceLimitError):
-    """A watcher read adapter events too slowly and missed some; it must watch again."""
+    """A watcher read adapter or version events too slowly and missed some; it must
+    watch again."""
 
 
 class RequestTooLarge(ResourceLimitError):

@@ -15,8 +15,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from ..adapters.registry import AdapterRegistry
-from ..adapters.service import AdapterService
 from ..base.cleanup import on_error
 from ..base.errors import ListenError
 from ..config import ServeConfig, build
@@ -34,30 +32,33 @@ from ..rpc.streams import StreamBounds, StreamWatchdog
 from ..rpc.versions import Versions
 from ..rpc.weights import WeightsService, add_weights_service
 from ..rpc.wire import WEIGHTS_SERVICE
-from ..sources.location import default_model_name
 from ..sources.resolver import SourceResolver
 from ..telemetry import logs
-from ..telemetry.metrics import Metrics, MetricsServer, SourceMetrics, serve_metrics
+from ..telemetry.metrics import Metrics, MetricsServer, serve_metrics
 from ..transports.local_server import LocalObserver, LocalServer, start_local_server
+from ..transports.local_service import PackService
 from ..transports.options import check_config
 from ..transports.prebuild import LayoutPrebuilder
 from ..trust.verify import VerifyOptions
 from . import lifecycle, listeners
 from .addresses import Address, parse_address, prepare_unix_socket, settle_address
 from .collectors import (
-    GpuMemoryCollector,
-    ModelCollector,
-    ModelStateCollector,
     PinnedMemoryCollector,
     PinnedState,
     ShmPackCollector,
     ShmPackState,
     adapter_metrics,
 )
-from .prebuilding import prebuilder_for, prepare_at_start, register_host_memory
-from .security import TlsFiles, check_admin_listener, check_worker_listener, read_tls
+from .domain import Domain, build_domain, expect_models
+from .prebuilding import prepare_at_start, register_host_memory
+from .security import (
+    TlsFiles,
+    TlsMaterial,
+    check_admin_listener,
+    check_worker_listener,
+    read_tls,
+)
 from .sockets import SocketLock
-from .versioning import VersionCollector, create_versions, finish_versions
 
 log = logging.getLogger("weightd")
 
@@ -98,8 +99,12 @@ class Daemon:
     #: Brings ``s3://`` models and adapters into the local cache.
     resolver: SourceResolver | None = None
 
+    #: The side socket's packs (on Unix listeners), built before any listener binds.
+    packs: PackService | None = None
     #: Builds and holds each model's declared layouts' packs at load (on Unix listeners).
     prebuilder: LayoutPrebuilder | None = None
+    #: Where the daemon's metrics are registered (None: no metrics).
+    metrics_registry: CollectorRegistry | None = None
     #: Model versions: holds, the watch stream, Publish (``daemon/versioning.py``).
     versions: Versions | None = None
 
@@ -154,7 +159,9 @@ class Daemon:
         if self.versions is not None:
             self.versions.close()
         if self.local is not None:
-            self.local.close()
+            self.local.close()  # and its packs
+        elif self.packs is not None:
+            self.packs.close()  # the side socket never started
         if self.watchdog is not None:
             self.watchdog.close()
         if self.metrics_server is not None:
@@ -182,11 +189,106 @@ def _register_local_collectors(registry: CollectorRegistry, local: LocalServer) 
         )
 
 
+def _worker_server(
+    config: ServeConfig,
+    domain: Domain,
+    interceptors: list[grpc.ServerInterceptor],
+    health_servicer: health.HealthServicer,
+) -> grpc.Server:
+    """The worker listener's gRPC server (not bound yet): Weights, health, reflection."""
+    server_config = config.server
+    options = [
+        ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
+        ("grpc.max_receive_message_length", 1 << 20),  # requests are small
+        *connection_options(server_config.max_connections, server_config.connection_idle_seconds),
+        *server_config.extra_options,
+    ]
+    server = grpc.server(
+        listeners.worker_pool(server_config.max_workers),
+        options=options,
+        maximum_concurrent_rpcs=server_config.max_concurrent_rpcs,
+        interceptors=interceptors,
+    )
+    metrics = domain.metrics
+    service = WeightsService(
+        domain.weights,
+        server_config.chunk_bytes,
+        domain.adapters,
+        resumes=metrics.fetch_resumes if metrics is not None else None,
+        rehash=server_config.fetch_rehash,
+        version_rpcs=domain.versions,
+        after_fetch=domain.prebuilder.after_read if domain.prebuilder is not None else None,
+    )
+    add_weights_service(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server_config.reflection:
+        listeners.enable_reflection(server)
+    return server
+
+
+def _start_side_socket(
+    config: ServeConfig, daemon: Daemon, packs: PackService, group: bool
+) -> LocalServer:
+    """The same-host side socket beside the worker's Unix socket, with its metrics."""
+    metrics, prom, registry = daemon.metrics, daemon.metrics_registry, daemon.registry
+    observer = (
+        LocalObserver(metrics, listeners.model_resolver(registry)) if metrics is not None else None
+    )
+    local = start_local_server(
+        daemon.address.path, packs, build.local_config(config), group=group, observer=observer
+    )
+    if prom is not None:
+        _register_local_collectors(prom, local)
+        if metrics is not None:
+            register_host_memory(prom, registry, local, metrics)
+    return local
+
+
+def _start_admin(
+    config: ServeConfig,
+    daemon: Daemon,
+    admin_address: Address,
+    allowed: frozenset[str] | None,
+    observer: RpcObserver,
+    tls: TlsMaterial | None,
+) -> None:
+    """The admin listener (Reload, Publish, adapters), bound."""
+    if admin_address.kind == "unix":
+        shared = os.path.dirname(admin_address.path) == os.path.dirname(daemon.address.path)
+        group = config.socket_group_access and shared
+        daemon.locks.append(prepare_unix_socket(admin_address.path, group=group))
+    assert daemon.reloader is not None and daemon.adapters is not None
+    assert daemon.versions is not None
+    daemon.admin_server = listeners.admin_server(
+        daemon.reloader,
+        observer,
+        allowed,
+        daemon.adapters,
+        daemon.watchdog,
+        daemon.address,
+        daemon.versions,
+    )
+    daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
+
+
+def _start_health(
+    config: ServeConfig, daemon: Daemon, observer: RpcObserver, bounds: StreamBounds
+) -> None:
+    """The health-only listener (``--health-listen``), bound."""
+    assert config.health.listen is not None
+    daemon.health_server = listeners.health_server(daemon.health, observer, daemon.watchdog, bounds)
+    daemon.health_address = listeners.bind(
+        daemon.health_server, parse_address(config.health.listen), None, "health"
+    )
+
+
 def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | None = None) -> Daemon:
     """Bind and start every listener (health NOT_SERVING); models are loaded separately.
 
     ``metrics_registry``: where the daemon registers its metrics (tests pass their own);
     None creates one when ``config.metrics_listen`` is set, else no metrics at all.
+    The domain first (:func:`.domain.build_domain`), then one step per listener: the worker's
+    gRPC server, its side socket, admin, health, metrics.
     """
     server_config = config.server
     local_config = build.local_config(config)
@@ -210,18 +312,9 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     driver = check_config(local_config, address.kind == "unix")
     if metrics_registry is None and config.metrics.listen is not None:
         metrics_registry = CollectorRegistry()
-    registry = ModelRegistry()
-    metrics = None
-    if metrics_registry is not None:
-        metrics = Metrics.create(metrics_registry, version=listeners.version())
-        metrics_registry.register(ModelCollector(registry, metrics.scrape_errors))
-        metrics_registry.register(ModelStateCollector(registry))
-        metrics_registry.register(GpuMemoryCollector())
-    # Every configured model is known (``loading``) before anything listens (the side
-    # socket accepts from its creation): a request that names no model during start-up
-    # then hears "still being verified" (UNAVAILABLE, retried), not "this daemon serves
-    # 0 models" (a caller's mistake it did not make).
-    _expect_models(registry, metrics, [(m.name, m.value) for m in config.model])
+    local = address.kind == "unix" and local_config.enabled
+    domain = build_domain(config, local, driver, metrics_registry)
+    registry, metrics = domain.registry, domain.metrics
     tracker = InflightTracker()
     observer = RpcObserver(metrics, tracker, listeners.model_resolver(registry))
     watchdog = (
@@ -232,131 +325,48 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         else None
     )
     bounds = StreamBounds(watchdog, server_config.max_workers, "worker")
-    locks: list[SocketLock] = []
-    daemon: Daemon | None = None
-
-    def undo() -> None:
-        if daemon is not None:
-            daemon.close()
-        else:
-            for held in locks:
-                held.close()
-
-    with on_error(undo, "the half-built daemon"):
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    interceptors = [observer, RequestGuard(), AdminGate(admin_address), bounds]
+    server = _worker_server(config, domain, interceptors, health_servicer)  # bound below
+    daemon = Daemon(
+        server,
+        address,
+        registry,
+        health_servicer,
+        None,
+        tracker,
+        metrics,
+        watchdog=watchdog,
+        metrics_registry=metrics_registry,
+        # What the listeners serve, built before any of them (see domain.py):
+        adapters=domain.adapters,
+        resolver=domain.resolver,
+        versions=domain.versions,
+        reloader=domain.reloader,
+        packs=domain.packs,
+        prebuilder=domain.prebuilder,
+    )
+    with on_error(daemon.close, "the half-built daemon"):
         group = config.socket_group_access
-        lock = prepare_unix_socket(address.path, group=group) if address.kind == "unix" else None
-        options = [
-            ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
-            ("grpc.max_receive_message_length", 1 << 20),  # requests are small
-            *connection_options(
-                server_config.max_connections, server_config.connection_idle_seconds
-            ),
-            *server_config.extra_options,
-        ]
-        server = grpc.server(
-            listeners.worker_pool(server_config.max_workers),
-            options=options,
-            maximum_concurrent_rpcs=server_config.max_concurrent_rpcs,
-            interceptors=[observer, RequestGuard(), AdminGate(admin_address), bounds],
-        )
-        source_metrics = (
-            SourceMetrics.create(metrics_registry) if metrics_registry is not None else None
-        )
-        verify = build.verify_options(config)
-        resolver = SourceResolver(build.source_options(config), verify, source_metrics)
-        adapter_service = AdapterService(
-            registry,
-            AdapterRegistry(config.adapters.budget_bytes),
-            list(config.adapters.root),
-            resolver=resolver,
-            autoload=build.autoload_policy(config),
-            # A quarter of the stream slots may load, a quarter wait: the rest stay free.
-            autoload_slots=max(1, server_config.max_workers // 4),
-        )
-        adapters = Adapters(adapter_service)
-        versions = create_versions(registry, config.versions.bounds())
-        service = WeightsService(
-            registry,
-            server_config.chunk_bytes,
-            adapters,
-            resumes=metrics.fetch_resumes if metrics is not None else None,
-            rehash=server_config.fetch_rehash,
-            versions=versions,
-        )
-        add_weights_service(service, server)
-        health_servicer = health.HealthServicer(experimental_non_blocking=True)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        if server_config.reflection:
-            listeners.enable_reflection(server)
-        daemon = Daemon(
-            server,
-            address,
-            registry,
-            health_servicer,
-            lock,
-            tracker,
-            metrics,
-            watchdog=watchdog,
-            locks=locks,
-            adapters=adapters,
-            resolver=resolver,
-            versions=versions,
-        )
-        daemon.reloader = Reloader(
-            registry,
-            metrics,
-            sources={m.name or default_model_name(m.value): m.value for m in config.model},
-            options=verify,
-            resolver=resolver,
-        )
+        if address.kind == "unix":
+            daemon.lock = prepare_unix_socket(address.path, group=group)
         if config.watch_interval > 0:
             daemon.watcher = ShardWatcher(
-                registry, daemon.reloader, config.watch_interval, metrics_registry
+                registry, domain.reloader, config.watch_interval, metrics_registry
             )
         daemon.address = listeners.bind(server, address, tls, "worker", group=group)
-        if address.kind == "unix" and local_config.enabled:
-            daemon.local = start_local_server(
-                address.path, registry, local_config, driver, adapter_service, group=group
-            )
-            if metrics_registry is not None:
-                _register_local_collectors(metrics_registry, daemon.local)
-            if metrics is not None:
-                daemon.local.observer = LocalObserver(metrics, listeners.model_resolver(registry))
-            if metrics_registry is not None and metrics is not None:
-                register_host_memory(metrics_registry, registry, daemon.local, metrics)
-            daemon.prebuilder = prebuilder_for(config, daemon.local.service)
-            service.after_fetch = daemon.prebuilder.after_read
-        finish_versions(versions, daemon.reloader, daemon.local, daemon.prebuilder)
+        if domain.packs is not None:
+            daemon.local = _start_side_socket(config, daemon, domain.packs, group)
         if metrics_registry is not None:
-            adapter_service.metrics = adapter_metrics(
-                metrics_registry, adapter_service, daemon.local
-            )
-            metrics_registry.register(
-                VersionCollector(versions.versions.held, versions.versions.evictions)
+            domain.adapter_service.metrics = adapter_metrics(
+                metrics_registry, domain.adapter_service, domain.packs
             )
         if warning:
             log.warning("%s", warning)
         if admin_address is not None:
-            if admin_address.kind == "unix":
-                shared = os.path.dirname(admin_address.path) == os.path.dirname(address.path)
-                locks.append(prepare_unix_socket(admin_address.path, group=group and shared))
-            daemon.admin_server = listeners.admin_server(
-                daemon.reloader,
-                observer,
-                allowed,
-                adapters,
-                watchdog,
-                daemon.address,
-                versions,
-            )
-            daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
+            _start_admin(config, daemon, admin_address, allowed, observer, tls)
         if config.health.listen is not None:
-            daemon.health_server = listeners.health_server(
-                health_servicer, observer, watchdog, bounds
-            )
-            daemon.health_address = listeners.bind(
-                daemon.health_server, parse_address(config.health.listen), None, "health"
-            )
+            _start_health(config, daemon, observer, bounds)
         if config.metrics.listen is not None:
             assert metrics_registry is not None
             host, port = listeners.host_port(config.metrics.listen)
@@ -372,18 +382,6 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
     return daemon
 
 
-def _expect_models(
-    registry: ModelRegistry, metrics: Metrics | None, models: list[tuple[str | None, str]]
-) -> list[tuple[str, str]]:
-    """``models`` by name, each registered as ``loading`` (idempotent)."""
-    named = [(name or default_model_name(d), d) for name, d in models]
-    for name, _ in named:
-        registry.expect(name)
-        if metrics is not None:
-            metrics.model_known(name)
-    return named
-
-
 def load_models(
     daemon: Daemon,
     models: list[tuple[str | None, str]],
@@ -395,7 +393,7 @@ def load_models(
     whatever the others do. A model that fails is ``failed`` (the others serve; a reload
     retries it); only when every model failed does the first failure propagate (there
     is nothing to serve)."""
-    named = _expect_models(daemon.registry, daemon.metrics, models)
+    named = expect_models(daemon.registry, daemon.metrics, models)
     if daemon.reloader is not None:
         daemon.reloader.tables = tuple(tables)
     cancel = threading.Event()  # set by a signal during start-up (load_independently)

@@ -23,7 +23,7 @@ from ..adapters.service import AdapterService
 from ..registry.models import MODEL_STATES, LoadedModel, ModelRegistry
 from ..store.residency import ResidencyUnavailable, resident_bytes
 from ..store.shards import FileIdentity
-from ..transports.local_server import LocalServer
+from ..transports.local_service import PackService
 
 log = logging.getLogger("weightd.metrics")
 
@@ -299,12 +299,12 @@ CONDITIONAL_COLLECTORS: tuple[type, ...] = (
 
 
 def adapter_metrics(
-    prom: CollectorRegistry, adapters: AdapterService, local: LocalServer | None
+    prom: CollectorRegistry, adapters: AdapterService, packs: PackService | None
 ) -> AdapterMetrics:
-    """The daemon's adapter metrics; pack gauges when it has a side socket."""
+    """The daemon's adapter metrics; pack gauges when it has a side socket's packs."""
     source: Callable[[], AdapterPackUsage] | None = None
-    if local is not None:
-        service = local.service
+    if packs is not None:
+        service = packs
 
         def usage() -> AdapterPackUsage:
             return AdapterPackUsage(*service.adapter_usage())

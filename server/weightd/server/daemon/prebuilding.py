@@ -24,12 +24,17 @@ from .memory import HostMemoryCollector
 log = logging.getLogger("weightd")
 
 
-def prebuilder_for(config: ServeConfig, packs: PackService) -> LayoutPrebuilder:
-    """The daemon's prebuilder, with the layout memory ``config`` asks for."""
+def layout_memory(config: ServeConfig) -> LayoutMemory | None:
+    """Where the layouts workers ask for are remembered, as ``config`` asks (or nowhere)."""
     directory = build.layouts_dir(config)
     forget = config.local.forget_layouts_after
-    memory = LayoutMemory(directory, forget) if directory is not None else None
-    packs.memory = memory
+    return LayoutMemory(directory, forget) if directory is not None else None
+
+
+def prebuilder_for(
+    config: ServeConfig, packs: PackService, memory: LayoutMemory | None
+) -> LayoutPrebuilder:
+    """The daemon's prebuilder over ``packs``, reading the layouts ``memory`` remembers."""
     return LayoutPrebuilder(packs, build.prebuild_options(config), memory)
 
 

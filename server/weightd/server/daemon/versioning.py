@@ -1,4 +1,4 @@
-"""Wiring model versions into the daemon: the RPCs' state, the publish hook, the metrics.
+"""Wiring model versions into the daemon: the publish hook, dropped packs, the metrics.
 
 Kept out of :mod:`.assembly` so the factory gains a few lines, not a feature: which
 hook prepares a version (:func:`version_preparation`) and what the metrics say of the
@@ -13,76 +13,67 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..registry.holdbounds import HoldBounds
-from ..registry.loading import Reloader
-from ..registry.models import LoadedModel, ModelRegistry
-from ..registry.publish import Prepared, PrepareVersion, Publisher, no_preparation
-from ..registry.versions import HeldVersion, ModelVersions
-from ..rpc.versions import Versions
-from ..transports.local_server import LocalServer
+from ..transports.local_service import PackService
 from ..transports.prebuild import LayoutPrebuilder
 from ..transports.prepare import prepare_host_packs
-
-
-def create_versions(registry: ModelRegistry, bounds: HoldBounds | None = None) -> Versions:
-    """Versions numbered from the registry's first publish (call before loading models)."""
-    versions = ModelVersions(bounds=bounds)
-    versions.attach(registry)
-    return Versions(versions)
+from ..weights.models import (
+    HeldVersion,
+    LoadedModel,
+    ModelVersions,
+    Prepared,
+    PrepareVersion,
+    VersionInfo,
+    no_preparation,
+)
 
 
 def version_preparation(
-    local: LocalServer | None, prebuilder: LayoutPrebuilder | None = None
+    packs: PackService | None, prebuilder: LayoutPrebuilder | None = None
 ) -> PrepareVersion:
     """``prepare_version``: what a verified version needs before it is published.
 
     The shared-memory packs of the model's declared and remembered layouts, built in one
     pass and held while the version serves (``prebuilder``, which also drops the shard
     pages they make a second copy of), then of any other layout in use now (when the
-    daemon has a side socket). Every path that publishes a version goes through it: a
-    trainer's Publish, a reload (SIGHUP, the admin Reload RPC) and a restore. The one
-    place to add more work of that kind (a GPU placement, say).
+    daemon has a side socket: ``packs``). Every path that publishes a version goes
+    through it: a trainer's Publish, a reload (SIGHUP, the admin Reload RPC) and a
+    restore. The one place to add more work of that kind (a GPU placement, say).
     """
-    if local is None:
+    if packs is None:
         return no_preparation
-    service = local.service
 
     def prepare_version(model: LoadedModel) -> Prepared:
         started = time.monotonic()
         built = 0 if prebuilder is None else prebuilder.prepare(model)
-        done = prepare_host_packs(service, model)
+        done = prepare_host_packs(packs, model)
         return Prepared(built + done.packs_built, time.monotonic() - started)
 
     return prepare_version
 
 
-def finish_versions(
-    versions: Versions,
-    reloader: Reloader,
-    local: LocalServer | None,
-    prebuilder: LayoutPrebuilder | None = None,
-) -> None:
-    """Give ``versions`` its publisher, the reloader the same preparation, and the side
-    socket its version resolver."""
-    prepare = version_preparation(local, prebuilder)
-    versions.publisher = Publisher(reloader, prepare)
-    if local is not None:
+def reload_preparation(
+    packs: PackService | None, prepare: PrepareVersion
+) -> Callable[[LoadedModel], None] | None:
+    """What a reload runs on a verified version: ``prepare`` when there are packs."""
+    if packs is None:
+        return None
 
-        def prepare_reload(model: LoadedModel) -> None:
-            prepare(model)
+    def prepare_reload(model: LoadedModel) -> None:
+        prepare(model)
 
-        reloader.prepare = prepare_reload
-    if local is not None:
-        local.service.versions = versions.versions
-        service = local.service
+    return prepare_reload
 
-        def drop_packs(info: object) -> None:
-            fingerprint = getattr(info, "fingerprint", "")
-            service.host.discard(
-                lambda key: isinstance(key, tuple) and len(key) == 2 and key[0] == fingerprint
-            )
 
-        versions.versions.on_drop(drop_packs)
+def drop_packs_with_versions(versions: ModelVersions, packs: PackService) -> None:
+    """A dropped version's idle host packs go at once, not at their TTL."""
+
+    def drop_packs(info: VersionInfo) -> None:
+        fingerprint = info.fingerprint
+        packs.host.discard(
+            lambda key: isinstance(key, tuple) and len(key) == 2 and key[0] == fingerprint
+        )
+
+    versions.on_drop(drop_packs)
 
 
 class VersionCollector:

@@ -216,6 +216,7 @@ class Reloader:
         sources: Mapping[str, str] | None = None,
         options: VerifyOptions | None = None,
         resolver: SourceResolver | None = None,
+        prepare: Callable[[LoadedModel], None] | None = None,
     ) -> None:
         self._registry = registry
         self._resolver = resolver
@@ -228,7 +229,7 @@ class Reloader:
         self.tables: tuple[RuleTable, ...] = ()
         #: Runs on a verified version before it is published (its declared layouts'
         #: packs are built there: ``transports/prebuild.py``); a failure fails the reload.
-        self.prepare: Callable[[LoadedModel], None] | None = None
+        self.prepare = prepare
 
     def _current(self, name: str) -> tuple[str, LoadedModel | None]:
         """The model ``name`` names, and its published version (None: its load failed,

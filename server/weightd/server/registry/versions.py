@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
+
+from weightd.common.watch import EventQueue
 
 from ..base.errors import (
     DataIntegrityError,
@@ -125,38 +126,27 @@ class HeldVersion:
     total_bytes: int = 0
 
 
-class VersionWatch:
-    """An ordered stream of version events for one watcher; ``close`` ends it."""
+class VersionWatch(EventQueue[VersionEvent]):
+    """An ordered stream of version events for one watcher (of ``model``, or of every
+    model); ``close`` ends it. Each read checks holds' expiry first."""
 
     def __init__(self, versions: ModelVersions, model: str) -> None:
+        super().__init__(MAX_PENDING_EVENTS, lambda: versions._watches.discard(self))
         self._versions = versions
         self.model = model
-        self._queue: queue.Queue[VersionEvent | None] = queue.Queue(MAX_PENDING_EVENTS)
-        self.overflowed = False
 
-    def _put(self, event: VersionEvent) -> None:
-        if self.model and event.info.model != self.model:
-            return
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            self.overflowed = True
-            self._versions._watches.discard(self)
+    def put(self, event: VersionEvent) -> None:
+        if not self.model or event.info.model == self.model:
+            super().put(event)
 
     def next(self, timeout: float | None = None) -> VersionEvent | None:
-        """The next event; None on timeout, or once closed or overflowed."""
         self._versions.expire()
-        if self.overflowed and self._queue.empty():
-            return None
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        return super().next(timeout)
 
     def close(self) -> None:
         with self._versions._lock:
             self._versions._watches.discard(self)
-        self._queue.put(None)
+        super().close()
 
 
 class ModelVersions:
@@ -406,7 +396,7 @@ class ModelVersions:
 
     def _emit(self, event: VersionEvent) -> None:
         for w in list(self._watches):
-            w._put(event)
+            w.put(event)
 
     def watch(self, model: str = "") -> VersionWatch:
         """A watcher of ``model`` (empty: every model): first each current version as
@@ -414,7 +404,7 @@ class ModelVersions:
         w = VersionWatch(self, model)
         with self._lock:
             for name, number in sorted(self._current.items()):
-                w._put(VersionEvent("ready", self._entries[name][number].info))
+                w.put(VersionEvent("ready", self._entries[name][number].info))
             self._watches.add(w)
         return w
 

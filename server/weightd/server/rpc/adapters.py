@@ -20,12 +20,12 @@ from weightd.v1 import weightd_pb2 as pb
 
 from ..adapters.load import CONFIG_FILE, WEIGHTS_FILE
 from ..adapters.packing import slice_bytes
-from ..adapters.registry import AdapterEvent, AdapterVersion, Lease
+from ..adapters.registry import AdapterEvent, AdapterHold, AdapterVersion
 from ..adapters.service import AdapterService, AdapterState, check_name
-from ..base.errors import WatchOverflow
-from ..plan.layout import Layout
+from ..weights.layouts import Layout
 from .status import abort
-from .wire import chunk_bytes
+from .watches import watch_stream
+from .wire import chunk_bytes, slice_header
 
 log = logging.getLogger("weightd.adapters")
 
@@ -34,11 +34,9 @@ _KINDS: Final = {
     "replace": pb.AdapterEvent.REPLACE,
     "unload": pb.AdapterEvent.UNLOAD,
 }
-#: Seconds between checks that a watcher is still connected.
-WATCH_POLL_SECONDS: Final = 1.0
 
 
-def status(v: AdapterVersion, pinned: bool = False, leases: int = 0) -> pb.AdapterStatus:
+def status(v: AdapterVersion, pinned: bool = False, holds: int = 0) -> pb.AdapterStatus:
     return pb.AdapterStatus(
         name=v.name,
         version=v.version,
@@ -46,7 +44,7 @@ def status(v: AdapterVersion, pinned: bool = False, leases: int = 0) -> pb.Adapt
         base_model=v.adapter.base_model,
         nbytes=v.adapter.nbytes,
         pinned=pinned,
-        leases=leases,
+        leases=holds,  # the field predates the word: holds on the version
         source_dir=v.adapter.source,
     )
 
@@ -54,7 +52,7 @@ def status(v: AdapterVersion, pinned: bool = False, leases: int = 0) -> pb.Adapt
 def _status_of(name: str, state: AdapterState | None) -> pb.AdapterStatus:
     if state is None:
         return pb.AdapterStatus(name=name)
-    return status(state.version, state.pinned, state.leases)
+    return status(state.version, state.pinned, state.holds)
 
 
 class Adapters:
@@ -84,7 +82,7 @@ class Adapters:
 
     def list(self) -> pb.ListAdaptersResponse:
         return pb.ListAdaptersResponse(
-            adapters=[status(s.version, s.pinned, s.leases) for s in self.service.current()]
+            adapters=[status(s.version, s.pinned, s.holds) for s in self.service.current()]
         )
 
     # --- worker -------------------------------------------------------------------
@@ -95,16 +93,16 @@ class Adapters:
         try:
             check_name(request.name)
             layout = Layout.of(request.layout)
-            lease = self.service.registry.lease(request.name)
+            hold = self.service.registry.hold(request.name)
         except Exception as exc:
             abort(context, exc, "FetchAdapter")
         try:
-            yield from self._stream(lease.version, layout, request, context)
+            yield from self._stream(hold.version, layout, request, context)
         except Exception as exc:
             if context.is_active():
                 abort(context, exc, "FetchAdapter")
         finally:
-            lease.release()  # also on cancellation (GeneratorExit at a yield)
+            hold.release()  # also on cancellation (GeneratorExit at a yield)
 
     def _stream(
         self,
@@ -129,14 +127,7 @@ class Adapters:
             if not context.is_active():
                 return
             data, digest = slice_bytes(v, s)
-            header = pb.SliceHeader(
-                name=s.name,
-                dtype=s.dtype,
-                shape=s.shape,
-                nbytes=s.nbytes,
-                split_dim=s.split_dim,
-                replicated=s.replicated,
-            )
+            header = slice_header(s)
             offsets = range(0, max(len(data), 1), chunk)
             for offset in offsets:
                 part = data[offset : offset + chunk]
@@ -164,24 +155,24 @@ class Adapters:
 
     def resolve(self, request: pb.ResolveAdapterRequest) -> pb.AdapterStatus:
         s = self.service.resolve(request.name, request.model, request.load)
-        return status(s.version, s.pinned, s.leases)
+        return status(s.version, s.pinned, s.holds)
 
     def fetch_files(
         self, request: pb.FetchAdapterFilesRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.AdapterFileChunk]:
-        """Both files of one version, as verified, under a lease on that version."""
+        """Both files of one version, as verified, under a hold on that version."""
         try:
             check_name(request.name)
             registry = self.service.registry
-            lease: Lease = (
-                registry.lease_version(request.name, request.version)
+            hold: AdapterHold = (
+                registry.hold_version(request.name, request.version)
                 if request.version
-                else registry.lease(request.name)
+                else registry.hold(request.name)
             )
         except Exception as exc:
             abort(context, exc, "FetchAdapterFiles")
         try:
-            v = lease.version
+            v = hold.version
             chunk = chunk_bytes(request.max_chunk_bytes)
             first = True
             files = ((CONFIG_FILE, v.adapter.config_data), (WEIGHTS_FILE, v.adapter.data))
@@ -200,26 +191,11 @@ class Adapters:
             if context.is_active():
                 abort(context, exc, "FetchAdapterFiles")
         finally:
-            lease.release()  # also on cancellation (GeneratorExit at a yield)
+            hold.release()  # also on cancellation (GeneratorExit at a yield)
 
     def watch(self, context: grpc.ServicerContext) -> Iterator[pb.AdapterEvent]:
         w = self.service.registry.watch()
-        try:
-            while context.is_active() and not self._stop.is_set():
-                event = w.next(timeout=WATCH_POLL_SECONDS)
-                if event is None:
-                    if w.overflowed:
-                        abort(
-                            context,
-                            WatchOverflow(
-                                "watcher fell too far behind the adapter events; watch again"
-                            ),
-                            "WatchAdapters",
-                        )
-                    continue
-                yield to_pb(event)
-        finally:
-            w.close()
+        return watch_stream(w, context, self._stop, to_pb, "WatchAdapters", "adapter")
 
 
 def to_pb(e: AdapterEvent) -> pb.AdapterEvent:

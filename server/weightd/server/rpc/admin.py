@@ -18,7 +18,7 @@ from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
 from ..base.errors import InvalidRequest, NoAdapters, WorkerOnly
-from ..registry.loading import Reloader
+from ..weights.models import Reloader
 from .adapters import Adapters
 from .guards import AdminAuthorizer
 from .interceptors import Handler, RpcObserver

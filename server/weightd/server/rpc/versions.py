@@ -16,14 +16,10 @@ import grpc
 
 from weightd.v1 import weightd_pb2 as pb
 
-from ..base.errors import InvalidRequest, WatchOverflow
-from ..registry.publish import Published, Publisher
-from ..registry.versions import ModelVersions, VersionEvent, VersionInfo
+from ..base.errors import InvalidRequest
+from ..weights.models import ModelVersions, Published, Publisher, VersionEvent, VersionInfo
 from .peers import client_of
-from .status import abort
-
-#: Seconds between checks that a watcher is still connected (and holds' expiry).
-WATCH_POLL_SECONDS: Final = 1.0
+from .watches import watch_stream
 
 _KINDS: Final = {"ready": pb.VersionEvent.READY, "dropped": pb.VersionEvent.DROPPED}
 
@@ -91,19 +87,4 @@ class Versions:
         self, request: pb.WatchVersionsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.VersionEvent]:
         w = self.versions.watch(request.model)
-        try:
-            while context.is_active() and not self._stop.is_set():
-                event = w.next(timeout=WATCH_POLL_SECONDS)
-                if event is None:
-                    if w.overflowed:
-                        abort(
-                            context,
-                            WatchOverflow(
-                                "watcher fell too far behind the version events; watch again"
-                            ),
-                            "WatchVersions",
-                        )
-                    continue
-                yield event_pb(event)
-        finally:
-            w.close()
+        return watch_stream(w, context, self._stop, event_pb, "WatchVersions", "version")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import Counter
 
-from weightd.common.digests import Hasher, slice_digest, slice_kind
+from weightd.common.digests import slice_kind
 from weightd.v1 import weightd_pb2 as pb
 
 from ..base.errors import (
@@ -19,13 +19,9 @@ from ..base.errors import (
     NoAdapters,
     WeightdError,
 )
-from ..plan.layout import Layout
-from ..plan.planner import RankPlan
-from ..plan.slices import TensorSlice
-from ..registry.identity import host_boot_id, shard_samples
-from ..registry.models import LoadedModel, ModelRegistry
-from ..store.shards import Piece, pattern_pieces
-from ..trust.integrity import slice_hasher
+from ..weights.models import LoadedModel
+from ..weights.service import WeightService
+from ..weights.view import RankView
 from .adapters import Adapters
 from .resume import resume_start
 from .status import abort, unary
@@ -34,9 +30,9 @@ from .wire import (
     DEFAULT_CHUNK_BYTES,
     WEIGHTS_SERVICE,
     EncodedResponse,
-    Fill,
     chunk_bytes,
     serialize_fetch_response,
+    slice_header,
 )
 
 log = logging.getLogger("weightd.service")
@@ -51,18 +47,20 @@ class WeightsService:
 
     def __init__(
         self,
-        registry: ModelRegistry,
+        weights: WeightService,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         adapters: Adapters | None = None,
         resumes: Counter | None = None,
         *,
         rehash: bool = False,
-        versions: Versions | None = None,
+        version_rpcs: Versions | None = None,
+        after_fetch: Callable[[LoadedModel], None] | None = None,
     ) -> None:
-        self.registry = registry
-        #: Model versions (Fetch/DescribeModel ``version``, the version RPCs); None: only
-        #: the current version of each model is served.
-        self.versions = versions
+        #: The domain door both edges call (model at version, plan, rank view, broken).
+        self.weights = weights
+        #: The version RPCs (WatchVersions, HoldVersion, ReleaseVersion); None: this
+        #: daemon serves no versions.
+        self.version_rpcs = version_rpcs
         #: ``--fetch-rehash``: hash every slice's bytes again as they are sent and compare
         #: with the anchor before sending its digest, for every stream; without it, for
         #: the streams whose request asks (``FetchRequest.rehash``; see :meth:`_stream`).
@@ -74,7 +72,7 @@ class WeightsService:
         #: Runs when a Fetch stream of a model ends (how it ended aside): where the
         #: model's packs are its resident copy, the shard pages it read are dropped
         #: again (``transports/prebuild.py``).
-        self.after_fetch: Callable[[LoadedModel], None] | None = None
+        self.after_fetch = after_fetch
 
     def _adapters(self) -> Adapters:
         if self.adapters is None:
@@ -117,18 +115,10 @@ class WeightsService:
             context, "FetchAdapterFiles", lambda a: a.fetch_files(request, context)
         )
 
-    def _model(self, name: str, version: int) -> LoadedModel:
-        """``name`` at ``version`` (0: current); the current one when there are no versions."""
-        if self.versions is None:
-            if version:
-                raise InvalidRequest("this daemon serves no model versions; ask for version 0")
-            return self.registry.get(name)
-        return self.versions.versions.resolve(name, version)
-
     def _versions(self) -> Versions:
-        if self.versions is None:
+        if self.version_rpcs is None:
             raise InvalidRequest("this daemon serves no model versions")
-        return self.versions
+        return self.version_rpcs
 
     def WatchVersions(
         self, request: pb.WatchVersionsRequest, context: grpc.ServicerContext
@@ -155,22 +145,20 @@ class WeightsService:
     def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.ServicerContext
     ) -> pb.ListModelsResponse:
-        loaded = {m.name: m for m in self.registry.models()}
         out = pb.ListModelsResponse()
-        for name in self.registry.names():
-            m = loaded.get(name)
-            state, reason = self.registry.state(name)
+        for entry in self.weights.listing():
+            m = entry.model
             if m is None:
-                out.models.add(name=name, ready=False, state=state, reason=reason)
+                out.models.add(name=entry.name, ready=False, state=entry.state, reason=entry.reason)
                 continue
             out.models.add(
-                name=name,
+                name=entry.name,
                 architecture=m.checkpoint.architecture,
                 total_bytes=m.checkpoint.total_bytes,
                 num_tensors=len(m.checkpoint.tensors),
-                ready=self.registry.is_ready(name),
-                state=state,
-                reason=reason,
+                ready=entry.ready,
+                state=entry.state,
+                reason=entry.reason,
                 version=m.version,
                 trust_root=m.trust_root,
             )
@@ -180,7 +168,7 @@ class WeightsService:
     def DescribeModel(
         self, request: pb.DescribeModelRequest, context: grpc.ServicerContext
     ) -> pb.ModelDescription:
-        m = self._model(request.model, request.version)
+        m = self.weights.model(request.model, request.version)
         ckpt = m.checkpoint
         out = pb.ModelDescription(
             name=ckpt.name,
@@ -190,23 +178,13 @@ class WeightsService:
             model_fingerprint=m.fingerprint,
             version=m.version,
             trust_root=m.trust_root,
+            host_boot_id=self.weights.boot_id(),
         )
-        # Every file the load read and verified, so a client can prove a local copy
-        # (vLLM's model directory) is this checkpoint. A shard's SHA-256 is present
-        # when the daemon hashed the whole file (manifest, HF cache); its size always.
-        # Each shard also with the identity of the file the daemon holds and a sampled
-        # digest of its tensors (registry/identity.py): a fine-tune of the same shapes
-        # is told apart without reading the whole checkpoint.
-        samples = shard_samples(m)
-        out.host_boot_id = host_boot_id()
-        for name in sorted(set(ckpt.small_files) | set(ckpt.shards)):
-            known = m.file_digests.get(name)
-            size = known.size if known is not None else m.store.shard(name).identity.size
-            entry = out.files.add(name=name, size=size, sha256=known.sha256 if known else "")
-            if name in ckpt.shards:
-                held = m.store.shard(name).identity
-                entry.device, entry.inode, entry.mtime_ns = held.dev, held.ino, held.mtime_ns
-                entry.sample_digest = samples[name]
+        for f in self.weights.held_files(m):
+            entry = out.files.add(name=f.name, size=f.size, sha256=f.sha256)
+            if f.shard:
+                entry.device, entry.inode, entry.mtime_ns = f.device, f.inode, f.mtime_ns
+                entry.sample_digest = f.sample_digest
         for t in ckpt.tensors.values():
             out.tensors.add(
                 name=t.name,
@@ -221,10 +199,12 @@ class WeightsService:
     def Fetch(
         self, request: pb.FetchRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.FetchResponse | EncodedResponse]:
-        model: LoadedModel | None = None
+        view: RankView | None = None
         try:
-            model = self._model(request.model, request.version)
-            plan = model.plan_layout(Layout.of(request.layout), tuple(request.names))
+            view = self.weights.rank_view(
+                request.model, request.version, request.layout, request.names
+            )
+            model, plan = view.model, view.plan
             chunk = chunk_bytes(request.max_chunk_bytes, self.chunk_bytes)
             try:
                 kind = slice_kind(request.slice_digest)
@@ -270,16 +250,16 @@ class WeightsService:
                     start,
                     context.peer(),
                 )
-            yield from self._stream(model, plan, chunk, context, start, kind, rehash)
+            yield from self._stream(view, chunk, context, start, kind, rehash)
         except Exception as exc:
-            if isinstance(exc, DataIntegrityError) and model is not None:
-                self.registry.mark_broken(model, str(exc))
+            if isinstance(exc, DataIntegrityError) and view is not None:
+                self.weights.mark_broken(view.model, exc)
             if not isinstance(exc, WeightdError) and not context.is_active():
                 return  # the client went away mid-stream; nothing to report to anyone
             abort(context, exc, "Fetch")
         finally:
-            if model is not None and self.after_fetch is not None:
-                self.after_fetch(model)
+            if view is not None and self.after_fetch is not None:
+                self.after_fetch(view.model)
 
     def _count_resume(self, model: str, outcome: str) -> None:
         if self.resumes is not None:
@@ -287,8 +267,7 @@ class WeightsService:
 
     def _stream(
         self,
-        model: LoadedModel,
-        plan: RankPlan,
+        view: RankView,
         chunk: int,
         context: grpc.ServicerContext,
         start: int = 0,
@@ -299,92 +278,41 @@ class WeightsService:
 
         With ``rehash``, each slice's bytes are hashed (``kind``) as they are read, and
         the piece that completes a slice carries its digest only once those bytes were
-        found to hash to the verified (anchored) digest. Without it (the default, unless
-        the request asks) the anchored digest is sent as it is: the store still compares
-        each shard's ``fstat`` with the verified one after every read, and the client
-        checks every byte against the digest. Why that is the default: the re-hash is
-        the daemon's second check of bytes the client checks anyway, and on a stream
-        bound by CPU it cost a sizeable share of the throughput (measured in the gRPC notebook
-        under ``docs/notes/``). What is
-        lost is the daemon noticing by itself bytes changed under an unchanged size and
+        found to hash to the verified (anchored) digest (:meth:`RankView.pieces`).
+        Without it (the default, unless the request asks) the anchored digest is sent as
+        it is: the store still compares each shard's ``fstat`` with the verified one
+        after every read, and the client checks every byte against the digest. Why that
+        is the default: the re-hash is the daemon's second check of bytes the client
+        checks anyway, and on a stream bound by CPU it cost a sizeable share of the
+        throughput (measured in the gRPC notebook under ``docs/notes/``). What is lost
+        is the daemon noticing by itself bytes changed under an unchanged size and
         mtime; a client whose check fails asks again with ``rehash`` set, so the daemon
-        then finds out and marks the model broken (the client's ``resumable.py``). Each piece
-        is read from the shard straight into the message that carries it, when the
-        message is built just before it is yielded (see :mod:`.wire` for why messages
-        are not built with protobuf, and why they are written in place).
+        then finds out and marks the model broken (the client's ``resumable.py``). Each
+        piece is read from the shard straight into the message that carries it, when
+        the message is built just before it is yielded (see :mod:`.wire` for why
+        messages are not built with protobuf, and why they are written in place).
         """
         pending = EncodedResponse()
-        for index, s in enumerate(plan.slices):
-            if index < start:
-                continue  # a resume: the client holds these already
-            if not context.is_active():
-                return
-            anchored = model.slice_anchor(s, plan.layout, kind)
-            header: pb.SliceHeader | None = pb.SliceHeader(
-                name=s.name,
-                dtype=s.dtype,
-                shape=s.shape,
-                nbytes=s.nbytes,
-                split_dim=s.split_dim,
-                replicated=s.replicated,
-            )
-            hasher = slice_hasher(kind) if rehash else None
-            offset = 0
-            pieces: Iterable[Piece] = pattern_pieces(s.pattern, chunk)
-            if s.nbytes == 0:
-                pieces = (Piece(0),)
-            for piece in pieces:
-                size = piece.size
-                last = offset + size == s.nbytes
-                fill = _filler(model, s, piece, hasher, kind, anchored if last else None)
-                if not pending.empty and pending.payload_bytes + size > chunk:
-                    pending.build()  # reads its pieces, checks their digests, or raises
-                    yield pending
-                    pending = EncodedResponse()
-                digest = anchored if last else ""
-                if size:
-                    pending.add_chunk_into(index, offset, size, fill, header=header, digest=digest)
-                else:
-                    fill(memoryview(b""))
-                    pending.add_chunk(index, offset, b"", header=header, digest=digest)
-                header = None  # the first chunk of a slice only
-                offset += size
+        for piece in view.pieces(chunk, start, kind, rehash, alive=context.is_active):
+            index = piece.index
+            header = slice_header(piece.slice) if piece.first else None
+            if not pending.empty and pending.payload_bytes + piece.size > chunk:
+                pending.build()  # reads its pieces, checks their digests, or raises
+                yield pending
+                pending = EncodedResponse()
+            if piece.size:
+                pending.add_chunk_into(
+                    index, piece.offset, piece.size, piece.fill, header=header, digest=piece.digest
+                )
+            else:
+                piece.fill(memoryview(b""))
+                pending.add_chunk(index, piece.offset, b"", header=header, digest=piece.digest)
+        if not context.is_active():
+            return  # the client went away: the view stopped at a slice's start
+        plan = view.plan
         pending.set_done(pb.FetchDone(num_tensors=len(plan.slices), total_bytes=plan.nbytes))
         pending.build()
         yield pending
-
-
-def _filler(
-    model: LoadedModel,
-    s: TensorSlice,
-    piece: Piece,
-    hasher: Hasher | None,
-    kind: str,
-    anchored: str | None,
-) -> Fill:
-    """What writes one piece of slice ``s`` into its message (see :meth:`WeightsService._stream`).
-
-    It reads the piece from the shard straight into the message (the store checks the
-    shard's identity after the read), feeds the slice's running hash, and on the
-    slice's last piece (``anchored`` set) compares the digest with the verified one:
-    a mismatch raises before the message exists, so those bytes are never sent.
-    """
-
-    def fill(view: memoryview) -> None:
-        if view.nbytes:
-            model.store.read_piece_into(s.shard, s.pattern, piece, view)
-        if hasher is not None:
-            hasher.update(view)
-        if anchored is None:
-            return
-        actual = anchored if hasher is None else slice_digest(hasher, kind)
-        if actual != anchored:
-            raise DataIntegrityError(
-                f"tensor {s.name!r} in shard {s.shard}: slice bytes read now hash to "
-                f"{actual}, the verified slice to {anchored}"
-            )
-
-    return fill
 
 
 def add_weights_service(service: WeightsService, server: grpc.Server) -> None:

@@ -30,6 +30,8 @@ from typing import Final, TypeAlias
 
 from weightd.v1 import weightd_pb2 as pb
 
+from ..weights.layouts import TensorSlice
+
 #: The services' full names, from the proto itself (health statuses, routing, guards).
 WEIGHTS_SERVICE: Final = pb.DESCRIPTOR.services_by_name["Weights"].full_name
 ADMIN_SERVICE: Final = pb.DESCRIPTOR.services_by_name["Admin"].full_name
@@ -44,6 +46,13 @@ MIN_CHUNK_BYTES: Final = 4 << 10
 def chunk_bytes(requested: int, default: int = DEFAULT_CHUNK_BYTES) -> int:
     """The payload bytes per message a stream uses: the request's (0: ``default``), clamped."""
     return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, requested or default))
+
+
+def slice_header(s: TensorSlice) -> pb.SliceHeader:
+    """The header a slice's first chunk carries, on a Fetch and a FetchAdapter stream."""
+    header = pb.SliceHeader(name=s.name, dtype=s.dtype, shape=s.shape, nbytes=s.nbytes)
+    header.split_dim, header.replicated = s.split_dim, s.replicated
+    return header
 
 
 #: Anything whose bytes can be joined: ``bytes`` from ``pread``, or a read buffer.

@@ -24,7 +24,7 @@ from weightd.v1 import weightd_pb2 as pb
 from ..adapters.packing import AdapterPackLease, AdapterTag
 from ..packs.build import HostPack, PackEntry
 from ..packs.cache import Lease
-from ..plan.layout import Layout
+from ..weights.layouts import Layout
 from .cuda_ipc import CudaPack
 
 

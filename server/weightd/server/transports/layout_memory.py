@@ -33,7 +33,7 @@ from typing import Any, Final
 from ..base.atomicio import write_atomic
 from ..base.errors import OutputWriteError, echo
 from ..base.readfile import ReadRefused, read_bounded
-from ..plan.declared import LayoutGroup
+from ..weights.layouts import LayoutGroup
 
 log = logging.getLogger("weightd.layouts")
 

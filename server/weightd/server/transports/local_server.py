@@ -45,13 +45,10 @@ from typing import Final
 
 from google.protobuf.message import DecodeError
 
-from weightd.common.cuda_driver import CudaDriver
 from weightd.common.frames import MAX_REQUEST_FRAME_BYTES, FrameError, recv_frame, send_frame
 from weightd.v1 import local_pb2 as lpb
 
-from ..adapters.service import AdapterService
 from ..base.errors import Code, ListenError, SideChannelFull
-from ..registry.models import ModelRegistry
 from ..telemetry.metrics import Metrics
 from .local_service import PackService, local_error
 from .options import LOCAL_SOCKET_SUFFIX, LocalConfig
@@ -127,6 +124,7 @@ class LocalServer:
         max_pending: int = MAX_PENDING,
         socket_mode: int = 0o600,
         max_per_user: int = 0,
+        observer: LocalObserver | None = None,
     ) -> None:
         self.path = path
         self.service = service
@@ -145,8 +143,8 @@ class LocalServer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
-        #: Counts and times each answer in the daemon's metrics (set by the daemon).
-        self.observer: LocalObserver | None = None
+        #: Counts and times each answer in the daemon's metrics (None: not counted).
+        self.observer = observer
         service.connections = self._count
 
     def _count(self) -> int:
@@ -336,16 +334,14 @@ class LocalServer:
 
 def start_local_server(
     grpc_socket_path: str,
-    registry: ModelRegistry,
+    service: PackService,
     config: LocalConfig,
-    driver: CudaDriver | None,
-    adapters: AdapterService | None = None,
     *,
     group: bool = False,
+    observer: LocalObserver | None = None,
 ) -> LocalServer:
-    """The side socket for a daemon listening on ``grpc_socket_path``, started
-    (0600, or 0660 with ``group``: the gRPC socket's mode)."""
-    service = PackService(registry, config, driver, adapters)
+    """The side socket for a daemon listening on ``grpc_socket_path``, serving
+    ``service``, started (0600, or 0660 with ``group``: the gRPC socket's mode)."""
     server = LocalServer(
         grpc_socket_path + LOCAL_SOCKET_SUFFIX,
         service,
@@ -353,6 +349,7 @@ def start_local_server(
         request_timeout=config.request_seconds,
         socket_mode=0o660 if group else 0o600,
         max_per_user=config.resolved_per_user(),
+        observer=observer,
     )
     server.start()
     return server

@@ -56,12 +56,10 @@ from ..base.errors import (
 from ..packs.build import HostPack, layout_pack
 from ..packs.cache import Lease, PackCache
 from ..packs.layoutbuild import build_host_pack
-from ..plan.declared import LayoutGroup
-from ..plan.layout import Layout
-from ..plan.planner import RankPlan
-from ..registry.models import LoadedModel, ModelRegistry
-from ..registry.versions import ModelVersions
 from ..telemetry import logs
+from ..weights.layouts import Layout, LayoutGroup, RankPlan
+from ..weights.models import LoadedModel
+from ..weights.service import WeightService
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer, wire_layout
 from .layout_memory import LayoutMemory
@@ -111,27 +109,29 @@ def local_error(error: BaseException, what: str) -> lpb.LocalError:
 
 
 class PackService:
+    """The side socket's requests over the same :class:`WeightService` as gRPC's Fetch."""
+
     def __init__(
         self,
-        registry: ModelRegistry,
+        weights: WeightService,
         config: LocalConfig,
         driver: CudaDriver | None = None,
         adapters: AdapterService | None = None,
+        *,
+        memory: LayoutMemory | None = None,
     ) -> None:
-        self.registry = registry
+        #: The domain door (model at version, plan, marking broken), gRPC's Fetch's too.
+        self.weights = weights
         self.adapters = adapters
-        #: Resolves a request's model version (``AcquirePack.version``); None: only the
-        #: current version is served (the daemon sets it when it has versions).
-        self.versions: ModelVersions | None = None
         #: Open side-channel connections, for stats; the socket server sets it.
         self.connections: Callable[[], int] = lambda: 0
         self.boot_id = uuid.uuid4().hex
         #: Where the layouts workers ask for are remembered (None: nowhere).
-        self.memory: LayoutMemory | None = None
+        self.memory = memory
         #: Pack id -> leases the daemon itself holds (declared layouts, ``prebuild``):
         #: not a worker's, so stats and metrics count them apart.
-        self._daemon_holds: Counter[int] = Counter()
-        self._holds_lock = threading.Lock()
+        self._own_leases: Counter[int] = Counter()
+        self._own_lock = threading.Lock()
         counter = itertools.count(1)
         id_lock = threading.Lock()
 
@@ -155,25 +155,27 @@ class PackService:
         if adapters is not None:
             adapters.registry.on_drop(self._adapter_dropped)
 
-    def hold(self, lease: Lease[HostPack], held: bool) -> None:
-        """Count ``lease`` as the daemon's own (``held``) or no longer (prebuild's)."""
-        with self._holds_lock:
-            self._daemon_holds[lease.pack_id] += 1 if held else -1
-            if self._daemon_holds[lease.pack_id] <= 0:
-                del self._daemon_holds[lease.pack_id]
+    def count_own(self, lease: Lease[HostPack], own: bool) -> None:
+        """Count ``lease`` as the daemon's own (``own``) or no longer (prebuild's).
 
-    def _holds(self) -> Counter[int]:
-        with self._holds_lock:
-            return Counter(self._daemon_holds)
+        A pack lease, not a hold: "hold" is what keeps a version (model or adapter)."""
+        with self._own_lock:
+            self._own_leases[lease.pack_id] += 1 if own else -1
+            if self._own_leases[lease.pack_id] <= 0:
+                del self._own_leases[lease.pack_id]
+
+    def _own(self) -> Counter[int]:
+        with self._own_lock:
+            return Counter(self._own_leases)
 
     def host_usage(self) -> dict[str, tuple[int, int]]:
         """Model name -> (bytes, worker leases) of its shared-memory packs, for the metrics."""
         usage: dict[str, tuple[int, int]] = {}
-        holds = self._holds()
+        own = self._own()
         for state in self.host.states():
             if isinstance(state.info, PackInfo) and state.info.adapter is None:
                 size, leases = usage.get(state.info.model, (0, 0))
-                workers = state.leases - holds[state.pack_id]
+                workers = state.leases - own[state.pack_id]
                 usage[state.info.model] = (size + state.size, leases + workers)
         return usage
 
@@ -235,16 +237,14 @@ class PackService:
     def _acquire(self, req: lpb.AcquirePack) -> Outcome:
         if req.adapter:
             return self._acquire_adapter(req)
-        if self.versions is not None:
-            model = self.versions.resolve(req.model, req.version)
-        else:
-            model = self.registry.get(req.model)
-        # The whole layout, validated and planned by the same code as a gRPC Fetch: a
-        # pipeline stage or an expert rank gets exactly what Fetch would stream it.
-        layout = Layout.of(req.layout)
+        # The model at the version, and the whole layout validated and planned, by the
+        # same service as a gRPC Fetch: a pipeline stage or an expert rank gets exactly
+        # what Fetch would stream it.
+        model = self.weights.model(req.model, req.version)
         if req.names:
-            model.plan_layout(layout, tuple(req.names))  # unknown or repeated names fail here
-        plan = model.plan_layout(layout)
+            self.weights.plan(model, req.layout, req.names)  # unknown or repeated names fail
+        plan = self.weights.plan(model, req.layout)
+        layout = plan.layout
         host = self.host_lease(model, plan, wait=not req.no_wait, remember=True)
         kinds = list(req.slice_digests)
         if req.placement in (lpb.PLACEMENT_HOST, lpb.PLACEMENT_UNSPECIFIED):
@@ -293,7 +293,7 @@ class PackService:
             try:
                 pack = make()
             except DataIntegrityError as exc:
-                self.registry.mark_broken(model, str(exc))
+                self.weights.mark_broken(model, exc)
                 raise
             if self.pinner is not None:
                 self.pinner.pin(pack)
@@ -332,7 +332,7 @@ class PackService:
         return lease
 
     def _acquire_adapter(self, req: lpb.AcquirePack) -> Outcome:
-        """The current version of adapter ``req.adapter``: its pack, leased with the version."""
+        """The current version of adapter ``req.adapter``: its pack, leased, the version held."""
         if self.adapters is None:
             raise NoAdapters("this daemon serves no adapters")
         if req.model or req.names:
@@ -343,7 +343,7 @@ class PackService:
         check_tp_only(layout)
         adapters = self.adapters
         ws, rank = req.layout.tp_size, req.layout.tp_rank
-        version = adapters.registry.lease(req.adapter)
+        version = adapters.registry.hold(req.adapter)
         try:
             v = version.version
             plan = adapters.plan(v, layout)
@@ -417,7 +417,7 @@ class PackService:
         assert isinstance(info, PackInfo)
         kinds = list(req.slice_digests)
         if info.adapter is None:
-            state, reason = self.registry.state(info.model)
+            state, reason = self.weights.registry.state(info.model)
             if state == "broken":  # a build (or a check) found its bytes changed
                 lease.release()
                 raise DataIntegrityError(
@@ -428,7 +428,7 @@ class PackService:
             return answer(self.boot_id, lease, list(req.names), kinds)
         tag = info.adapter
         try:
-            version = self.adapters.registry.lease_version(tag.name, tag.version)
+            version = self.adapters.registry.hold_version(tag.name, tag.version)
         except AdapterNotFound:
             lease.release()
             self._adapter_dropped(tag.name, tag.version)  # dropped while we attached
@@ -451,12 +451,12 @@ class PackService:
             cuda_budget_bytes=sum(c.budget_bytes for c in self.gpu.values()),
             connections=self.connections(),
         )
-        holds = self._holds()
+        own = self._own()
         for cache in self._caches():
             out.builds_total += cache.builds_total
             out.evictions_total += cache.evictions_total
             for s in cache.states():
-                held = holds[s.pack_id] if cache is self.host else 0
+                held = own[s.pack_id] if cache is self.host else 0
                 info = s.info
                 assert isinstance(info, PackInfo)
                 out.packs.add(

@@ -19,7 +19,7 @@ from weightd.common.cuda_driver import (
 )
 
 from ..base.errors import CudaUnavailable, UsageError
-from ..plan.declared import DeclaredLayout
+from ..weights.layouts import DeclaredLayout
 
 #: The side socket lives next to the gRPC socket, in the same 0700 directory.
 LOCAL_SOCKET_SUFFIX: Final = ".local"

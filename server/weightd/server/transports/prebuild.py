@@ -35,11 +35,10 @@ from ..base.errors import PackMemoryExhausted, UsageError, WeightdError
 from ..packs.build import HostPack
 from ..packs.cache import Lease
 from ..packs.layoutbuild import build_layout_packs
-from ..plan.declared import LayoutGroup
-from ..plan.planner import RankPlan
-from ..registry.models import LoadedModel
-from ..store.residency import drop_cached
 from ..telemetry import logs
+from ..weights.layouts import LayoutGroup, RankPlan
+from ..weights.models import LoadedModel
+from ..weights.service import WeightService
 from .layout_memory import LayoutMemory
 from .local_service import PackService, key_of, pack_label
 from .options import PrebuildOptions
@@ -124,8 +123,7 @@ class LayoutPrebuilder:
             return 0
         dropped = self.options.drop_shard_pages
         if dropped:
-            for shard in model.store.shards.values():
-                drop_cached(shard.fd)
+            WeightService.drop_shard_pages(model)
         logs.event(
             "layouts_built",
             model=model.name,
@@ -166,7 +164,7 @@ class LayoutPrebuilder:
                 lease = self.packs.host_lease(
                     model, plan, build=functools.partial(build, i), declared=declared
                 )
-                self.packs.hold(lease, True)
+                self.packs.count_own(lease, True)
                 leases.append(lease)
         except BaseException:
             for lease in leases:
@@ -185,11 +183,10 @@ class LayoutPrebuilder:
         with self._lock:
             one_copy = bool(self._held.get(model.name))
         if one_copy:
-            for shard in model.store.shards.values():
-                drop_cached(shard.fd)
+            WeightService.drop_shard_pages(model)
 
     def _let_go(self, lease: Lease[HostPack]) -> None:
-        self.packs.hold(lease, False)
+        self.packs.count_own(lease, False)
         lease.release()
 
     def held(self, model: str) -> int:

@@ -13,21 +13,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from ..base.errors import WeightdError
-from ..plan.layout import Layout
-from ..registry.models import LoadedModel
+from ..weights.layouts import Layout
+from ..weights.models import LoadedModel, Prepared
 from .grants import PackInfo
 from .local_service import PackService, pack_label
 
 log = logging.getLogger("weightd.local")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    packs_built: int
-    seconds: float
 
 
 def layouts_in_use(service: PackService, model: str) -> list[Layout]:
