@@ -59,8 +59,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightd.client import WeightClient, WeightdError
-from weightd.client.transports.selection import Transport
+from weightd.client import Transport, WeightClient, WeightdError
 from weightd.common.sockets import default_target
 
 from ..errors import WeightdLoadError
