@@ -56,11 +56,17 @@ class AdapterWeights:
 
     @property
     def transport(self) -> str:
+        """What delivered the tensors: ``"grpc"``, ``"shm"`` or ``"cuda_ipc"``."""
         return self.info.transport if self.info is not None else "grpc"
 
 
 @dataclass(frozen=True)
 class AdapterEvent:
+    """One change of the daemon's adapters, as :class:`AdapterWatch` yields it: ``kind``
+    is ``"load"``, ``"replace"`` (a new version under the name) or ``"unload"``; the
+    version and digest are the one now served (the one gone, for an unload, whose
+    ``reason`` says ``"unloaded"`` or ``"evicted"``)."""
+
     kind: str  # "load" | "replace" | "unload"
     name: str
     version: int
@@ -144,6 +150,7 @@ class AdapterWatch:
             raise from_rpc_error(exc) from None
 
     def close(self) -> None:
+        """End the stream (the iterator then stops)."""
         self._call.cancel()
 
     def __enter__(self) -> AdapterWatch:

@@ -25,8 +25,9 @@ from .layout import Layout
 if TYPE_CHECKING:
     import torch
 
-#: How a fetch may travel: ``"auto"`` picks the fastest that applies.
 Transport = Literal["auto", "grpc", "shm", "cuda_ipc"]
+"""How a fetch may travel: ``"auto"`` picks the fastest that applies, the others insist."""
+Transport.__doc__ = "How a fetch may travel: ``auto`` picks the fastest that applies."
 
 
 @dataclass(frozen=True)

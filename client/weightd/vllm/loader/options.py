@@ -33,6 +33,8 @@ _IDENTITY: tuple[IdentityCheck, ...] = ("strict", "warn")
 
 @dataclass(frozen=True)
 class LoaderOptions:
+    """The loader's options, read from ``model_loader_extra_config`` (the keys above)."""
+
     target: str
     model: str | None = None
     fallback: Fallback = "none"

@@ -38,6 +38,8 @@ MAX_BYTES: Final = (4 << 30) + (4 << 20)
 
 @dataclass(frozen=True)
 class LoRAOptions:
+    """weightd LoRA's options, read from ``WEIGHTD_LORA`` (the keys above)."""
+
     target: str
     model: str = ""
     load: bool = True
