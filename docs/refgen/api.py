@@ -65,6 +65,19 @@ VLLM: dict[str, list[str]] = {
 }
 
 
+def _section(title: str, names: list[str]) -> list[str]:
+    """One heading and a directive per dotted name (errors without their members)."""
+    if not names:
+        return []
+    out = ["", f"## {title}", ""]
+    for name in names:
+        out.append(f"::: {name}")
+        if title.endswith("Errors"):
+            out += ["    options:", "      members: false", "      show_bases: true"]
+        out.append("")
+    return out
+
+
 def render() -> str:
     out = [
         "# Python API",
@@ -76,16 +89,11 @@ def render() -> str:
         "its whole public surface, its `__all__`; how to use them is in the "
         "[client guide](../guides/client.md).",
     ]
-    for title, names in groups().items():
-        if not names:
-            continue
-        out += ["", f"## {title}", ""]
-        for name in names:
-            out.append(f"::: weightd.client.{name}")
-            if title == "Errors":
-                out += ["    options:", "      members: false", "      show_bases: true"]
-            out.append("")
+    sections = {title: [f"weightd.client.{n}" for n in names] for title, names in groups().items()}
+    for title, names in sections.items():
+        out += _section(title, names)
     out += [
+        "",
         "## `weightd.vllm`",
         "",
         'vLLM\'s plugin (`pip install "weightd[vllm]"`): one package per vLLM plug point '
@@ -93,11 +101,6 @@ def render() -> str:
         "(`share/`), one settings reader and one error hierarchy; the "
         "[vLLM guide](../guides/vllm.md) says how to use each.",
     ]
-    for title, dotted in VLLM.items():
-        out += ["", f"## `weightd.vllm`: {title}", ""]
-        for name in dotted:
-            out.append(f"::: {name}")
-            if title == "Errors":
-                out += ["    options:", "      members: false", "      show_bases: true"]
-            out.append("")
+    for title, names in VLLM.items():
+        out += _section(f"`weightd.vllm`: {title}", names)
     return "\n".join(out) + "\n"
