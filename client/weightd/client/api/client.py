@@ -257,7 +257,7 @@ class WeightClient:
         """
         from .adapters import fetch_adapter_via
 
-        if "device" not in delivery:
+        if delivery.get("device") is None:  # absent, or None as this call always took
             delivery["device"] = "cuda" if delivery.get("transport") == "cuda_ipc" else "cpu"
         wanted = Wanted(tp_layout(rank, world_size), adapter=name)
         with said_plainly(self.target):
