@@ -11,13 +11,19 @@ One scenario, run once by a module fixture because engine starts are expensive h
    a proxy that cuts it off mid-stream;
 3. both engines update to v2 at once, each with one rank's fetch stalled mid-stream
    by a proxy while the model's source is switched to v3 and reloaded; then released;
-4. both update to v3, then to a republished v1, then are asked for a version the daemon
-   no longer holds and for one whose shapes changed;
-5. two fresh engines (TP=1, TP=2) are started on v2 from disk, for reference.
+4. both update to v3, to v2 again (republished: a new number), then to a republished
+   v1, then are asked for a version the daemon no longer holds and for one whose
+   shapes changed;
+5. the TP=2 engine is asked to take other content on each rank (another version
+   number on rank 1; one number meaning other bytes on two daemons), then the same
+   content from two daemons;
+6. two fresh engines (TP=1, TP=2) are started on v2 from disk, for reference.
 
 Every step records each worker's digests of what it computes with (parameters,
-buffers, and the weights inside each CPU linear's packed GEMM), greedy tokens and
-logprobs; the tests below assert on the record. Engine scripts and proxies:
+buffers, and the weights inside each CPU GEMM), greedy tokens and logprobs, and after
+each update to v1, v2 or v3 the same digests of a model each worker builds afresh from
+that version's directory through vLLM's start-up path (``reference``; proven against
+the real fresh engines of step 6); the tests below assert on the record. Engine scripts and proxies:
 ``transfer_engine.py``, ``transfer_fixtures.py``.
 """
 
@@ -37,7 +43,7 @@ from tests.conftest import RunningDaemon, run_daemon
 from tests.models import build_model
 from tests.vllm.conftest import MODELS
 from tests.vllm.transfer_fixtures import ByteProxy, EngineProcess
-from weightd.client import AdminClient
+from weightd.client import AdminClient, WeightClient
 
 #: The daemon's bytes a proxied rank gets before its fetch is stalled or cut: past the
 #: hold, the description and the stream's first messages, well short of its share.
@@ -114,12 +120,18 @@ def _engines(
     return engines
 
 
-def _snapshot(e: EngineProcess) -> Record:
+def _snapshot(e: EngineProcess, reference: Path | None = None) -> Record:
+    """The engine's state and tokens; with ``reference``, a fresh model's state from it."""
     state = e.call("state")
     assert "state" in state, f"{state}\nlog tail:\n{e.tail()}"
     gen = e.call("generate")
     assert "tokens" in gen, f"{gen}\nlog tail:\n{e.tail()}"
-    return {"state": state["state"], "version": state["version"], **gen}
+    out = {"state": state["state"], "version": state["version"], **gen}
+    if reference is not None:
+        ref = e.call("reference", dir=str(reference))
+        assert "state" in ref, f"{ref}\nlog tail:\n{e.tail()}"
+        out["reference"] = ref["state"]
+    return out
 
 
 def _update_both(
@@ -128,6 +140,45 @@ def _update_both(
     for tp, e in engines.items():
         e.send("update", version=version, **per_tp.get(f"tp{tp}", {}))
     return {tp: e.reply() for tp, e in engines.items()}
+
+
+def _mixed_content(
+    e: EngineProcess, ckpts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Record:
+    """Step 5: per-rank ``update_info`` sending the TP=2 engine's ranks to other content.
+
+    Three more daemons: B serves v1 as its version 1, keeps it held and publishes v2 as
+    its version 2; C serves v3 as its version 1 (the same number, other bytes); D
+    serves v1 as its version 1 (the same number and bytes as B's).
+    """
+    rec: Record = {}
+    root = tmp_path_factory.mktemp("mixed")
+    for name in "bcd":
+        (root / name).mkdir()
+    with (
+        run_daemon(root / "b", [("m", ckpts["v1"])]) as b,
+        run_daemon(root / "c", [("m", ckpts["v3"])]) as c,
+        run_daemon(root / "d", [("m", ckpts["v1"])]) as d,
+        WeightClient(b.target, timeout=300) as client,
+        client.hold_version("m", 1, holder="test", ttl=900),
+        AdminClient(b.address("admin"), timeout=300) as admin,
+    ):
+        assert admin.publish(str(ckpts["v2"]), model="m").version == 2
+        rec["targets"] = {"b": b.target, "c": c.target, "d": d.target}
+        rec["before"] = _snapshot(e)
+        for name, target, per_rank in (
+            ("version", b.target, [{}, {"version": 2}]),
+            ("daemons", None, [{"target": b.target}, {"target": c.target}]),
+        ):
+            start = len(e.log.read_text())
+            rec[name] = e.call("update", version=1, target=target, per_rank=per_rank)
+            rec[name]["log"] = e.log.read_text()[start:]
+            rec[name]["after"] = _snapshot(e)
+        rec["same"] = e.call(
+            "update", version=1, per_rank=[{"target": b.target}, {"target": d.target}]
+        )
+        rec["same"]["after"] = _snapshot(e, ckpts["v1"])
+    return rec
 
 
 @pytest.fixture(scope="module")
@@ -200,13 +251,19 @@ def scenario(
                 "held_during": held_during,
                 "held_after": scrape(daemon),
                 "update": updates,
-                "after": {tp: _snapshot(e) for tp, e in engines.items()},
+                "after": {tp: _snapshot(e, ckpts["v2"]) for tp, e in engines.items()},
             }
             v3 = admin.publish(str(ckpts["live"]), model="m")  # same content: its number
             steps["v3"] = {
                 "version": v3.version,
                 "update": _update_both(engines, v3.version),
-                "after": {tp: _snapshot(e) for tp, e in engines.items()},
+                "after": {tp: _snapshot(e, ckpts["v3"]) for tp, e in engines.items()},
+            }
+            again = admin.publish(str(ckpts["v2"]), model="m")
+            steps["again"] = {
+                "version": again.version,
+                "update": _update_both(engines, again.version),
+                "after": {tp: _snapshot(e, ckpts["v2"]) for tp, e in engines.items()},
             }
 
             # 4. back to v1's weights, then two refusals before any rank loads a byte
@@ -214,7 +271,7 @@ def scenario(
             steps["back"] = {
                 "version": v1.version,
                 "update": _update_both(engines, v1.version),
-                "after": {tp: _snapshot(e) for tp, e in engines.items()},
+                "after": {tp: _snapshot(e, ckpts["v1"]) for tp, e in engines.items()},
             }
             # v1's first number: dropped when v2 was published, never held since
             steps["not_held"] = {"update": _update_both(engines, 1)}
@@ -224,12 +281,13 @@ def scenario(
                 "update": _update_both(engines, wide.version),
                 "after": {tp: _snapshot(e) for tp, e in engines.items()},
             }
+            steps["mixed"] = _mixed_content(engines[2], ckpts, tmp_path_factory)
         finally:
             for e in engines.values():
                 e.close()
             admin.close()
         rec["daemon_log"] = daemon.log()
-    # 5. fresh engines on v2, from disk
+    # 6. fresh engines on v2, from disk
     fresh = _engines(vllm_python, ckpts["v2"], logs, None)
     try:
         steps["fresh_v2"] = {tp: _snapshot(e) for tp, e in fresh.items()}
@@ -379,3 +437,78 @@ def test_a_version_no_longer_held_or_with_other_shapes_is_refused_before_any_byt
     for r in wide["update"][tp]["reports"]:
         assert r["bytes"] == 0 and r["stage_seconds"] == 0
     assert _same_weights(wide["after"][tp]["state"], steps["back"]["after"][tp]["state"]) == []
+
+
+def test_the_reference_is_what_real_fresh_engines_hold(scenario: Record) -> None:
+    """The in-worker reference (``transfer_engine.reference_state``) proven twice per TP
+    size: built from v2 it equals the fresh engines started on v2, built from v1 the
+    engines that started on v1."""
+    steps = scenario["steps"]
+    for tp in TPS:
+        assert (
+            _same_weights(
+                steps["concurrent"]["after"][tp]["reference"], steps["fresh_v2"][tp]["state"]
+            )
+            == []
+        )
+        assert (
+            _same_weights(steps["back"]["after"][tp]["reference"], steps["start"][tp]["state"])
+            == []
+        )
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_v1_v2_v3_v2_each_update_equals_a_fresh_engine_on_that_version(
+    scenario: Record, tp: int
+) -> None:
+    steps = scenario["steps"]
+    names = ("concurrent", "v3", "again", "back")
+    for name in names:
+        step = steps[name]
+        assert step["update"][tp].get("ok"), (name, step["update"][tp])
+        after = step["after"][tp]
+        assert _same_weights(after["state"], after["reference"]) == [], name
+    # v2, v3, v2 again: other numbers, the same content as the first time
+    assert steps["again"]["version"] > steps["v3"]["version"]
+    assert steps["again"]["after"][tp]["version"] == str(steps["again"]["version"])
+    first, again = steps["concurrent"]["after"][tp], steps["again"]["after"][tp]
+    assert _same_weights(again["state"], first["state"]) == []
+    assert again["tokens"] == first["tokens"]
+
+
+def test_ranks_sent_to_other_content_are_refused_and_the_same_content_from_two_daemons_is_not(
+    scenario: Record,
+) -> None:
+    mixed = scenario["steps"]["mixed"]
+    before = mixed["before"]
+    t = mixed["targets"]
+    # another version number on rank 1 (both held by daemon B)
+    error = mixed["version"].get("error", "")
+    assert error.startswith(
+        "WeightdUpdateError: weightd: update refused on every rank: the ranks"
+    ), error
+    assert "refused before any rank fetched a byte" in error
+    assert f"rank 0 (tp 0/2, vocab_pad 64, weightd at {t['b']}) takes model 'm' version 1" in error
+    assert f"rank 1 (tp 1/2, vocab_pad 64, weightd at {t['b']}) takes model 'm' version 2" in error
+    # version 1 on both ranks, but daemon C's version 1 is other bytes than B's
+    error = mixed["daemons"].get("error", "")
+    assert "the ranks would take different content" in error
+    assert f"weightd at {t['b']}) takes model 'm' version 1 (content " in error
+    assert f"weightd at {t['c']}) takes model 'm' version 1 (content " in error
+    for name in ("version", "daemons"):
+        step = mixed[name]
+        assert _same_weights(step["after"]["state"], before["state"]) == []
+        assert step["after"]["version"] == before["version"]
+        assert all(r["bytes"] == 0 and not r["ok"] for r in step["reports"])
+        # one line per rank, no traceback
+        log = step["log"]
+        assert "Traceback" not in log
+        for rank in (0, 1):
+            lines = [
+                x for x in log.splitlines() if f"TP{rank}" in x and "weightd: update refused" in x
+            ]
+            assert len(lines) == 1, log
+    # the same version, the same bytes, from two daemons: updated
+    same = mixed["same"]
+    assert same.get("ok"), same
+    assert _same_weights(same["after"]["state"], same["after"]["reference"]) == []

@@ -9,8 +9,13 @@ the file descriptor ``--reply-fd`` (vLLM's workers write their logs to stdout):
   the weights each CPU linear layer really computes with (read back through its
   packed GEMM: ``cpu_linear(I) = W^T``, exact, since the CPU build replaced the
   parameter by an empty one when it repacked it), plus the engine's weight version;
+* ``{"op": "reference", "dir": D}``: the same digests of a model each worker builds
+  afresh from directory ``D`` through vLLM's start-up path (what a fresh engine on
+  ``D`` holds; the tests prove it against real fresh engines);
 * ``{"op": "generate"}``: greedy tokens and their logprobs for fixed prompts;
-* ``{"op": "update", "version": N, ...}``: :func:`weightd.vllm.transfer.rl.update_llm`; the
+* ``{"op": "update", "version": N, ...}``: :func:`weightd.vllm.transfer.rl.update_llm`
+  (the other keys are its arguments, ``target`` and ``model`` the engine's unless
+  given); the
   reply has ``error`` when vLLM raised, and every worker's update report;
 * ``{"op": "quit"}``.
 
@@ -42,28 +47,77 @@ def _digest(t: Any) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
-def worker_state(worker: Any) -> dict[str, str]:
-    """Digests of what this worker computes with (see the module docstring)."""
+def model_state(model: Any) -> dict[str, str]:
+    """Digests of what ``model`` computes with (see the module docstring).
+
+    Every name of every parameter and buffer, tied ones under each module that holds
+    them (``remove_duplicate=False``: a tied ``lm_head.weight`` is listed beside
+    ``embed_tokens.weight``), and the weights inside every CPU GEMM, whether the layer
+    kept its parameter (embeddings, heads) or the repacking replaced it by an empty one.
+    """
     import torch
 
-    model = worker.model_runner.model
     out: dict[str, str] = {}
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters(remove_duplicate=False):
         if p.numel():
             out[name] = _digest(p)
-    for name, b in model.named_buffers():
+    for name, b in model.named_buffers(remove_duplicate=False):
         if b.numel():
             out["buffer:" + name] = _digest(b)
     with torch.no_grad():
-        for prefix, module in model.named_modules():
+        for prefix, module in model.named_modules(remove_duplicate=False):
             linear = getattr(module, "cpu_linear", None)
             weight = getattr(module, "weight", None)
-            if linear is None or weight is None or weight.numel():
+            if linear is None or weight is None:
                 continue
-            k = int(module.input_size_per_partition)
+            k = int(weight.shape[1]) if weight.numel() else int(module.input_size_per_partition)
             eye = torch.eye(k, dtype=weight.dtype)
             out["gemm:" + prefix] = _digest(linear(eye, weight, None))
     return out
+
+
+def worker_state(worker: Any) -> dict[str, str]:
+    """:func:`model_state` of this worker's running model."""
+    return model_state(worker.model_runner.model)
+
+
+def reference_state(worker: Any, directory: str) -> dict[str, str]:
+    """:func:`model_state` of a model this worker builds afresh from ``directory``.
+
+    vLLM's own start-up path (``DefaultModelLoader.load_model``: create the model, load
+    the checkpoint, ``process_weights_after_loading``), in this worker, with its
+    parallel state, so the result is what a fresh engine's same rank holds. The
+    engine's config points at ``directory`` only for the call; the new model's
+    attention layers register in a context of their own, not the engine's.
+    """
+    import gc
+
+    from vllm.config import set_current_vllm_config
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    config = worker.vllm_config
+    model_config = config.model_config
+    compilation = config.compilation_config
+    saved = (model_config.model, model_config.revision, compilation.static_forward_context)
+    weights = getattr(model_config, "model_weights", None)
+    try:
+        model_config.model, model_config.revision = directory, None
+        if weights is not None:
+            model_config.model_weights = ""
+        compilation.static_forward_context = {}
+        with set_current_vllm_config(config):
+            model = get_model_loader(LoadConfig(load_format="auto")).load_model(
+                vllm_config=config, model_config=model_config
+            )
+        state = model_state(model)
+    finally:
+        model_config.model, model_config.revision, compilation.static_forward_context = saved
+        if weights is not None:
+            model_config.model_weights = weights
+    del model
+    gc.collect()
+    return state
 
 
 def worker_report(worker: Any) -> dict[str, Any] | None:
@@ -133,6 +187,8 @@ def main() -> None:
                 send(
                     {"state": llm.collective_rpc(worker_state), "version": llm.get_weight_version()}
                 )
+            elif op == "reference":
+                send({"state": llm.collective_rpc(reference_state, args=(command["dir"],))})
             elif op == "generate":
                 params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
                 outs = llm.generate(
@@ -155,7 +211,8 @@ def main() -> None:
             elif op == "update":
                 version = command.pop("version")
                 try:
-                    got = update_llm(llm, version, target=args.target, model=args.model, **command)
+                    kwargs = {"target": args.target, "model": args.model, **command}
+                    got = update_llm(llm, version, **kwargs)
                 except Exception as exc:  # the test asserts on the message
                     send(
                         {

@@ -34,7 +34,25 @@ class WeightdLoadError(WeightdVLLMError, RuntimeError):
 
 
 class WeightdUpdateError(WeightdVLLMError, RuntimeError):
-    """An update failed on some rank; no rank applied it (unless the message says so)."""
+    """An in-place update failed on some rank; no rank applied it (unless the message
+    says so). :func:`weightd.vllm.transfer.rl.update_llm` raises it with the ranks' one
+    message; a worker raises it inside vLLM, which reports it as its own error."""
+
+    #: Where the message starts inside the error vLLM raises for a worker's failure.
+    PREFIX = "weightd: update"
+
+    @classmethod
+    def from_vllm(cls, exc: BaseException) -> WeightdUpdateError | None:
+        """The backend's error inside one vLLM raised for it (wrapped by its worker RPC and
+        engine-core layers as ``Call to ... failed: Worker failed with error '...',
+        please check ...``), or None when ``exc`` is not one of ours."""
+        text = str(exc)
+        start = text.find(cls.PREFIX)
+        if start < 0:
+            return None
+        text = text[start:]
+        end = text.rfind("', please check")
+        return cls(text[:end] if end > 0 else text)
 
 
 class AdapterUnavailable(WeightdVLLMError):

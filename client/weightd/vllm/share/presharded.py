@@ -161,3 +161,112 @@ def presharded_reloading(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for param, loader in reversed(installed):
             param.weight_loader = loader
+
+
+# --- parameters shared between modules (tied embeddings) ---------------------------------
+#
+# vLLM's layer-wise reload works module by module: each module's parameters go to the
+# meta device, and once a module has received all its weights it is materialized,
+# loaded, post-processed (``quant_method.process_weights_after_loading``: on CPU the
+# GEMM packing) and copied back into its original parameters. A parameter held by two
+# modules (``lm_head.tie_weights(embed_tokens)``: one ``Parameter`` in both) is loaded
+# through one of them only (the model's ``load_weights`` skips ``lm_head.`` when tied);
+# the other receives nothing, so the reload only puts its original parameter back and
+# never re-runs its post-processing (the documented "Limitations 2" of vLLM 0.32's
+# ``model_loader/reload``; its own ``reload_weights`` has the same fault). The shared
+# parameter then holds the new weights while the idle module keeps state derived from
+# the old ones: on vLLM's CPU build the tied head's packed GEMM computed the logits with
+# the embedding the engine started with, across every update, while every named
+# parameter read back new. A fresh engine post-processes every module after loading,
+# in module order; :func:`reprocess_shared` does the same for the modules the reload
+# left idle, after it. :func:`shared_problems` says, before any rank applies, where
+# that cannot give a fresh engine's state.
+
+#: Post-processing that is a function of the module's own parameters, which it leaves in
+#: place (so re-running it after the reload gives exactly what a fresh start gives).
+#: ``UnquantizedEmbeddingMethod``: none on GPU, on CPU the GEMM packed from ``weight``
+#: (``remove_weight=False``). Others (quantized heads, CPU linear packing, which
+#: replaces the parameter) are refused while they hold a shared parameter.
+_REPEATABLE = ("UnquantizedEmbeddingMethod",)
+
+
+def _shared_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]:
+    """Each parameter held by two or more modules: its holders (name, module), in order."""
+    holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for prefix, module in model.named_modules():
+        for pname, param in module._parameters.items():
+            if param is not None:
+                name = f"{prefix}.{pname}" if prefix else pname
+                holders.setdefault(id(param), []).append((name, module))
+    return [group for group in holders.values() if len({id(m) for _, m in group}) > 1]
+
+
+def shared_problems(model: torch.nn.Module) -> list[str]:
+    """Why an update in place could not leave this model as a fresh engine: [] when it can.
+
+    Checked before any rank stages a byte: a parameter shared between modules whose
+    holders' post-processing is not known to be repeatable (see ``_REPEATABLE``), and a
+    model-level post-load hook, which vLLM's reload never runs again.
+    """
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    problems = []
+    for group in _shared_groups(model):
+        names = " = ".join(name for name, _ in group)
+        for name, module in group:
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, QuantizeMethodBase) and type(method).__name__ not in _REPEATABLE:
+                problems.append(
+                    f"{names} are one parameter and {name.rpartition('.')[0]}'s "
+                    f"post-processing ({type(method).__name__}) cannot be re-run in place: "
+                    "vLLM's layer-wise reload would leave it on the old weights"
+                )
+    if callable(getattr(model, "process_weights_after_loading", None)):
+        problems.append(
+            f"{type(model).__name__} post-processes its weights as a whole after loading, "
+            "which vLLM's layer-wise reload does not run again"
+        )
+    return problems
+
+
+def idle_modules(model: torch.nn.Module) -> set[int]:
+    """The modules (ids) the running layer-wise reload has received nothing for so far.
+
+    Call between ``model.load_weights`` and ``finalize_layerwise_reload``: a module that
+    received all its weights was processed and reset; one that received some is
+    processed by the finalize; one that received none only gets its parameters back.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    idle = set()
+    for module in model.modules():
+        info = get_layerwise_info(module)
+        if info.can_load() and info.load_numel == 0:
+            idle.add(id(module))
+    return idle
+
+
+def reprocess_shared(model: torch.nn.Module, idle: set[int]) -> list[str]:
+    """Post-process again, in model order, each idle module that shares a parameter with a
+    module the reload loaded: what a fresh start does after loading. Returns their names.
+    """
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    redo: dict[int, tuple[str, torch.nn.Module]] = {}
+    for group in _shared_groups(model):
+        if all(id(m) in idle for _, m in group):
+            continue  # nobody loaded it: the parameter did not change
+        for name, module in group:
+            if id(module) in idle:
+                redo[id(module)] = (name.rpartition(".")[0], module)
+    done = []
+    for _, module in model.named_modules():
+        if id(module) not in redo:
+            continue
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, QuantizeMethodBase):
+            method.process_weights_after_loading(module)
+            if hasattr(module, "update_param_tp_status"):
+                module.update_param_tp_status()
+        done.append(redo[id(module)][0])
+    return done

@@ -14,10 +14,14 @@ and ``update_weights`` does, on every worker, all or nothing:
 
 1. **hold**: the worker takes a hold on that version in the daemon (``HoldVersion``,
    with a TTL covering the update) and asks for its description, which must have the
-   tensor names, dtypes and shapes of the engine's checkpoint (``shapes.py``). Every
-   rank reports to every other (vLLM's CPU process group); if any rank failed, every
-   rank raises the same error and nothing was fetched. From here on the version stays
-   in the daemon whatever is published meanwhile.
+   tensor names, dtypes and shapes of the engine's checkpoint (``shapes.py``); the
+   engine must be one an update in place can bring to a fresh engine's state
+   (``presharded.shared_problems``). Every rank reports to every other (vLLM's CPU
+   process group) its outcome and what it would take (:class:`Staged`: model, version
+   number, :func:`content_digest`); if any rank failed, or the ranks would take other
+   content (per-rank ``update_info`` may name another daemon per host, never other
+   weights), every rank raises the same error and nothing was fetched. From here on
+   the version stays in the daemon whatever is published meanwhile.
 2. **stage**: each worker fetches only its own share of the version (its TP/PP layout,
    vLLM's vocabulary padding; shared memory on the daemon's host, gRPC otherwise),
    beside the running model: over gRPC every slice is checked against the daemon's
@@ -30,7 +34,11 @@ and ``update_weights`` does, on every worker, all or nothing:
 3. **apply**: only when every rank staged its whole share, each loads it in place
    through vLLM's own ``model.load_weights`` inside vLLM's layer-wise reload (which
    re-runs each layer's post-processing, e.g. the CPU GEMM repacking), so fused,
-   padded and repacked parameters stay vLLM's code (``presharded.py``).
+   padded and repacked parameters stay vLLM's code (``presharded.py``). The modules
+   the reload leaves idle that share a parameter with one it loaded (a tied
+   ``lm_head``) are post-processed again after it, as a fresh start does
+   (``presharded.reprocess_shared``): after an update every parameter, and what every
+   layer computes with, equals a fresh engine's on that version.
 
 Everything happens inside the one ``update_weights`` call, which vLLM's engine runs on
 every worker between two scheduler steps: no step sees some ranks on the old version
@@ -44,6 +52,7 @@ version: pass the daemon's number (:func:`weightd.vllm.transfer.rl.update_llm` d
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 import time
@@ -59,14 +68,19 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightd.client import Transport, WeightClient, WeightdError
+from weightd.client import ModelDescription, Transport, WeightClient, WeightdError
 from weightd.common.sockets import default_target
 
 from ..errors import WeightdLoadError, WeightdUpdateError
 from ..settings import Settings
 from ..share.fetch import LoadReport, Weights, fetch_share
 from ..share.placement import worker_layout
-from ..share.presharded import presharded_reloading
+from ..share.presharded import (
+    idle_modules,
+    presharded_reloading,
+    reprocess_shared,
+    shared_problems,
+)
 from ..share.vocab import padded_layout
 from .shapes import differences
 
@@ -77,6 +91,8 @@ DEFAULT_TIMEOUT = 300.0
 #: Added to the timeout for the hold's TTL: it must outlive the slowest rank's fetch.
 HOLD_MARGIN = 60.0
 _TRANSPORTS: tuple[str, ...] = ("auto", "grpc", "shm")
+
+__all__ = ["WeightdUpdateError", "WeightdWeightTransferEngine"]
 
 
 def _check(where: str, info: WeightdInitInfo | WeightdUpdateInfo) -> None:
@@ -142,6 +158,32 @@ class UpdateReport:
     stage_seconds: float = 0.0
     apply_seconds: float = 0.0
     share: LoadReport | None = None
+
+
+def content_digest(desc: ModelDescription) -> str:
+    """One digest of a version's whole content, from its description's verified digests.
+
+    Every tensor's name, dtype, shape and verified digest, in name order: two daemons
+    serving the same bytes give the same value whatever their version numbers, paths or
+    shard files, and a rank's staged share is checked against those digests as it
+    arrives (gRPC) or as the daemon built its pack (shared memory).
+    """
+    h = hashlib.sha256()
+    for t in sorted(desc.tensors, key=lambda t: t.name):
+        h.update(f"{t.name}\0{t.dtype}\0{list(t.shape)}\0{t.digest}\n".encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What one rank takes: every rank of an update must take the same."""
+
+    model: str
+    version: int
+    content: str  # :func:`content_digest`
+
+    def __str__(self) -> str:
+        return f"model {self.model!r} version {self.version} (content {self.content[:12]})"
 
 
 def _creating_worker() -> Any:
@@ -256,6 +298,7 @@ class WeightdWeightTransferEngine(
             hold = None
             problem = ""
             desc = None
+            staged: Staged | None = None
             try:
                 hold = client.hold_version(
                     model_name, version, holder=self._holder, ttl=timeout + HOLD_MARGIN
@@ -263,17 +306,23 @@ class WeightdWeightTransferEngine(
                 desc = client.describe(model_name, version=version)
                 report.model = desc.name
                 what = f"model {desc.name!r} version {version}"
+                staged = Staged(desc.name, version, content_digest(desc))
                 changed = differences(Path(self.model_config.model), desc)
                 if changed:
                     problem = (
                         "its shapes differ from the engine's checkpoint "
                         f"({self.model_config.model}): " + "; ".join(changed)
                     )
+                elif unfit := shared_problems(self.model):
+                    problem = (
+                        "this engine cannot be brought to a fresh engine's weights in "
+                        "place: " + "; ".join(unfit) + " (restart it on the new checkpoint)"
+                    )
             except (WeightdError, WeightdLoadError, OSError, ValueError) as exc:
                 problem = str(exc)
             report.hold_seconds = time.perf_counter() - started
             try:
-                self._agree("refused before any rank fetched a byte", what, where, problem)
+                self._agree("refused before any rank fetched a byte", what, where, problem, staged)
                 # 2. stage: every rank fetches and verifies its whole share, aside
                 started = time.perf_counter()
                 weights: Weights = []
@@ -291,7 +340,7 @@ class WeightdWeightTransferEngine(
                 except (WeightdError, WeightdLoadError, OSError, ValueError) as exc:
                     problem = str(exc)
                 report.stage_seconds = time.perf_counter() - started
-                self._agree("no rank applied it", what, where, problem)
+                self._agree("no rank applied it", what, where, problem, staged)
             finally:
                 if hold is not None:
                     hold.release()
@@ -324,20 +373,36 @@ class WeightdWeightTransferEngine(
             report.apply_seconds,
         )
 
-    def _agree(self, consequence: str, what: str, where: str, problem: str) -> None:
-        """Every rank's outcome to every rank; raise on all of them if any failed."""
-        outcomes = _all_gather((where, problem))
-        failed = [(w, p) for w, p in outcomes if p]
-        if not failed:
+    def _agree(
+        self, consequence: str, what: str, where: str, problem: str, staged: Staged | None = None
+    ) -> None:
+        """Every rank's outcome to every rank; raise on all of them if any failed.
+
+        With ``staged``, the ranks must also take the same content: the same model,
+        version number and :func:`content_digest` (per-rank ``update_info`` may send
+        ranks to other daemons, never to other weights). Otherwise every rank raises,
+        naming what each rank would take.
+        """
+        outcomes = _all_gather((where, problem, staged))
+        failed = [(w, p) for w, p, _ in outcomes if p]
+        keeps = f"the engine keeps version {self.version or 'it started with'}"
+        if failed:
+            detail = "; ".join(f"{w}: {p}" for w, p in failed)
+            message = (
+                f"weightd: update to {what} failed on {len(failed)} of {len(outcomes)} "
+                f"rank(s) ({consequence}; {keeps}): {detail}"
+            )
+        elif staged is not None and len({s for _, _, s in outcomes}) > 1:
+            detail = "; ".join(f"{w} takes {s}" for w, _, s in outcomes)
+            message = (
+                "weightd: update refused on every rank: the ranks would take different "
+                f"content ({consequence}; {keeps}): {detail}"
+            )
+        else:
             return
-        detail = "; ".join(f"{w}: {p}" for w, p in failed)
-        message = (
-            f"weightd: update to {what} failed on {len(failed)} of {len(outcomes)} rank(s) "
-            f"({consequence}; the engine keeps version {self.version or 'it started with'}): "
-            f"{detail}"
-        )
         if self.last is not None:
             self.last.error = message
+        log.warning("%s", message)  # this rank's one line (vLLM's traceback is filtered)
         raise WeightdUpdateError(message)
 
     def _apply(self, weights: Weights) -> None:
@@ -350,6 +415,13 @@ class WeightdWeightTransferEngine(
         initialize_layerwise_reload(self.model)
         with presharded_reloading(self.model):
             self.model.load_weights(iter(weights))
+            idle = idle_modules(self.model)
             # Layers loaded only in part (a rank's padded vocabulary rows) are processed
             # here, with the loaders they were given: still ours.
             finalize_layerwise_reload(self.model, self.model_config)
+        # A tied head received nothing (its parameter is the embedding's, loaded through
+        # the embedding): post-processed again from the new weights, as a fresh start
+        # does (see ``presharded.reprocess_shared``).
+        redone = reprocess_shared(self.model, idle)
+        if redone:
+            log.debug("weightd: post-processed again (shared parameters): %s", redone)

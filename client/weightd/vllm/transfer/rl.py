@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import WeightdUpdateError
+
 
 def update_info(
     version: int,
@@ -49,11 +51,19 @@ def update_llm(
     """Move a running ``vllm.LLM`` (built with ``weight_transfer_config={"backend":
     "weightd"}``) to ``version`` of ``model``: every rank, or none.
 
-    On success the engine's weight version is the daemon's version number (returned)
-    and its prefix cache is cleared (cached blocks were computed with the old weights).
-    On failure vLLM raises the backend's error (naming the rank(s), the model and the
-    version) and the engine keeps the weights it had. ``per_rank``: one dict of
-    overrides per worker (by global rank), e.g. a ``target`` each.
+    On success every parameter of every rank equals a fresh engine's on that version
+    (tied embeddings included: see ``docs/guides/rl-weight-updates.md``), the engine's
+    weight version is the daemon's version number (returned) and its prefix cache is
+    cleared (cached blocks were computed with the old weights). On failure it raises
+    :class:`~weightd.vllm.errors.WeightdUpdateError` (naming the rank(s), the model and
+    the version; the engine keeps the weights it had, unless the message says
+    otherwise).
+
+    ``per_rank``: one dict of overrides per worker (by global rank), for where each rank
+    reads from: another ``target`` per host (each host's own daemon), ``transport``,
+    ``timeout``, ``verify``. Every rank must take the same content: a ``version`` or
+    ``model`` that differs between ranks, or daemons whose same version number holds
+    other bytes, is refused on every rank before any fetches a byte.
     """
     base = update_info(
         version, model=model, target=target, transport=transport, timeout=timeout, verify=verify
@@ -62,7 +72,13 @@ def update_llm(
     if per_rank is not None:
         payload = [{**base, **extra} for extra in per_rank]
     llm.start_weight_update()
-    llm.update_weights({"update_info": payload})
+    try:
+        llm.update_weights({"update_info": payload})
+    except Exception as exc:  # vLLM wraps a worker's error in a plain Exception
+        ours = WeightdUpdateError.from_vllm(exc)
+        if ours is None:
+            raise
+        raise ours from exc
     llm.finish_weight_update(weight_version=str(version))
     llm.reset_prefix_cache()
     return str(llm.get_weight_version())
