@@ -197,3 +197,61 @@ def test_a_retired_copy_goes_after_retain_seconds(
     admin.unload_adapter("retire")
     with pytest.raises(AdapterUnavailable, match="not found"):
         asyncio.run(hub.current("retire"))
+
+
+def test_a_parent_other_users_can_write_is_refused(daemon: RunningDaemon, tmp_path: Path) -> None:
+    """Another user could swap their own ``weightd-lora-*`` directory in such a parent."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # world-writable, not sticky
+    hub = LoRAHub(LoRAOptions(target=daemon.target, dir=str(shared), timeout=60))
+    with pytest.raises(AdapterUnavailable, match="other users can write") as caught:
+        asyncio.run(hub.current("good"))
+    assert caught.value.status == 500
+    assert os.listdir(shared) == []
+    # a private directory below it is no better: the branch can be renamed away
+    (shared / "mine").mkdir(mode=0o700)
+    hub = LoRAHub(LoRAOptions(target=daemon.target, dir=str(shared / "mine"), timeout=60))
+    with pytest.raises(AdapterUnavailable, match=f"other users can write {shared}"):
+        asyncio.run(hub.current("good"))
+    (shared / "mine").rmdir()
+    hub = LoRAHub(LoRAOptions(target=daemon.target, dir=str(shared), timeout=60))
+    shared.chmod(0o1777)  # sticky, as /tmp: no one else can replace what this user made
+    got = asyncio.run(hub.current("good"))
+    assert Path(got.path).parent.parent == shared
+
+
+def test_a_copy_not_verified_again_is_never_handed_out(
+    daemon: RunningDaemon, lora: Fixture, tmp_path: Path
+) -> None:
+    """An existing version directory is re-verified (owner, mode, links, digest) or
+    rebuilt; a changed hub directory is refused."""
+    hub = hub_for(daemon, tmp_path)
+    got = asyncio.run(hub.current("good"))
+    path = Path(got.path)
+    for planted_by in (65534, os.geteuid()):  # another user's, then a stale copy of ours
+        hub._ready.clear()
+        shutil.rmtree(path)
+        path.mkdir(mode=0o500 if planted_by != 65534 else 0o755)
+        (path / "adapter_config.json").write_text('{"lora_alpha": 9999, "r": 8}')
+        (path / "adapter_model.safetensors").write_bytes(b"made up")
+        os.chown(path, planted_by, planted_by)
+        again = asyncio.run(hub.current("good"))
+        assert again.path == got.path
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            assert (path / name).read_bytes() == (lora.adapter_dir / name).read_bytes()
+            assert (path / name).stat().st_uid == os.geteuid()
+    # a link in place of a file is not followed
+    hub._ready.clear()
+    os.chmod(path, 0o700)
+    (path / "adapter_config.json").unlink()
+    (path / "adapter_config.json").symlink_to(lora.adapter_dir / "adapter_config.json")
+    os.chmod(path, 0o500)
+    asyncio.run(hub.current("good"))
+    assert not (path / "adapter_config.json").is_symlink()
+    # the hub's own directory opened up to others: refused, not used
+    root = path.parent
+    root.chmod(0o777)
+    with pytest.raises(AdapterUnavailable, match="replaced or opened up"):
+        asyncio.run(hub.current("good"))
+    root.chmod(0o700)

@@ -154,6 +154,35 @@ def test_corrupt_cache_is_ignored(
     )
 
 
+@pytest.mark.parametrize("planted", ["other-owner", "group-writable", "symlink", "open-dir"])
+def test_a_cache_another_user_could_have_written_is_not_trusted(
+    tmp_path: Path, planted: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whoever can write the cache can make the daemon skip hashing: a well-formed cache
+    that is not the daemon's user's own is ignored (the shards are hashed)."""
+    path = _file(tmp_path, "s", 100)
+    entry, identity, ranges = _entry(path)
+    cache = HashCache(str(tmp_path / "cache"), str(tmp_path))
+    cache.update({"s": entry})
+    good = Path(cache.path)
+    if planted == "other-owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the file to another user")
+        os.chown(good, 65534, 65534)
+    elif planted == "group-writable":
+        good.chmod(0o664)
+    elif planted == "symlink":
+        real = tmp_path / "elsewhere.json"
+        good.rename(real)
+        good.symlink_to(real)
+    else:
+        (tmp_path / "cache").chmod(0o777)
+    with caplog.at_level(logging.WARNING):
+        again = HashCache(str(tmp_path / "cache"), str(tmp_path))
+        assert again.lookup("s", str(path), identity, ranges) is None
+    assert "is not trusted" in caplog.text or "cannot read" in caplog.text
+
+
 def test_cache_entry_with_wrong_types_is_a_miss(tmp_path: Path) -> None:
     path = _file(tmp_path, "s", 100)
     entry, identity, ranges = _entry(path)

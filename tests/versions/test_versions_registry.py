@@ -15,10 +15,9 @@ from weightd.server.base.errors import (
     DataIntegrityError,
     InvalidRequest,
     ModelNotFound,
-    RequestTooLarge,
     VersionNotHeld,
 )
-from weightd.server.registry import versions as versions_module
+from weightd.server.registry.holdbounds import HoldBounds
 from weightd.server.registry.models import LoadedModel, ModelRegistry, load_model
 from weightd.server.registry.versions import ModelVersions, VersionWatch
 
@@ -115,17 +114,58 @@ def test_holds_keep_versions_and_the_last_release_drops(
         versions.release("")
 
 
-def test_ttls_are_bounded_and_holds_counted(
-    setup: Setup, dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_ttls_are_bounded(setup: Setup, dirs: dict[str, Path]) -> None:
     registry, versions, _ = setup
     publish(registry, dirs["v1"])
     default, _ = versions.hold("m", 1, "", 0)
     capped, _ = versions.hold("m", 1, "", 10**9)
     assert (default.ttl, capped.ttl) == (600.0, 3600.0)
-    monkeypatch.setattr(versions_module, "MAX_HOLDS", 2)
-    with pytest.raises(RequestTooLarge, match="2 version holds are outstanding"):
-        versions.hold("m", 1, "", 1)
+
+
+def test_a_hoarding_client_never_stops_another_client_holding(dirs: dict[str, Path]) -> None:
+    """Holds past a bound end the hoarder's oldest, never refuse: the engine (another
+    client) always gets its hold and keeps it, and the hoarder's count stays bounded."""
+    registry = ModelRegistry()
+    versions = ModelVersions(Clock(), HoldBounds(max_holds=6, max_holds_per_client=4))
+    versions.attach(registry)
+    try:
+        publish(registry, dirs["v1"])
+        engine, _ = versions.hold("m", 1, "vllm", 60, client="ipv4:10.0.0.2")
+        hoarded = [versions.hold("m", 1, "x", 60, client="ipv4:10.0.0.9")[0] for _ in range(50)]
+        assert versions.release(engine.hold_id)  # never ended by the hoarder
+        assert [versions.release(h.hold_id) for h in hoarded[-4:]] == [True] * 4
+        assert not any(versions.release(h.hold_id) for h in hoarded[:-4])
+        assert versions.evictions()[0] == 46
+        # in all: the client holding the most loses its oldest, not the newcomer
+        for client in ("a", "b"):
+            versions.hold("m", 1, "", 60, client=client)
+        big = [versions.hold("m", 1, "", 60, client="c")[0] for _ in range(4)]
+        versions.hold("m", 1, "", 60, client="d")
+        assert not versions.release(big[0].hold_id)
+        assert sum(v.holds for v in versions.held()) == 6
+    finally:
+        registry.close()
+
+
+def test_old_versions_kept_are_bounded(dirs: dict[str, Path]) -> None:
+    """A client that holds every version keeps at most ``max_old`` besides the current."""
+    registry = ModelRegistry()
+    versions = ModelVersions(Clock(), HoldBounds(max_old=1))
+    versions.attach(registry)
+    dropped: list[int] = []
+    versions.on_drop(lambda i: dropped.append(i.version))
+    try:
+        for name in ("v1", "v2", "v3", "v1"):
+            publish(registry, dirs[name])
+            versions.hold("m", 0, "hoarder", 600)
+        held = {v.version: v.current for v in versions.held()}
+        assert held == {3: False, 4: True}
+        assert dropped == [1, 2]
+        assert versions.evictions()[1] == 2
+        with pytest.raises(VersionNotHeld):
+            versions.resolve("m", 2)
+    finally:
+        registry.close()
 
 
 def test_unknown_and_broken_versions(setup: Setup, dirs: dict[str, Path]) -> None:

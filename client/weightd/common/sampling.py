@@ -80,6 +80,8 @@ def header_tensors(read: Read, file_size: int) -> list[tuple[str, int, int]]:
         header = json.loads(read(8, length), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"header is not JSON: {exc}") from None
+    except RecursionError:  # the parser recurses once per nested list or object
+        raise ValueError("header is not a safetensors header: nested too deep") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     base = 8 + length

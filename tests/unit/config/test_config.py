@@ -219,6 +219,7 @@ ENV_AND_FLAG_ERRORS = [
     ("WEIGHTD_GRACE", "inf", "--grace", "expected a finite number of seconds"),
     ("WEIGHTD_LOG_LEVEL", "LOUD", "--log-level", "expected one of"),
     ("WEIGHTD_MODEL", "[1]", None, "expected a JSON array of strings"),
+    ("WEIGHTD_MODEL", "[" * 100_000, None, "expected a JSON array of strings"),  # too deep
 ]
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +15,12 @@ from weightd.server.plan.declared import (
     parse_group,
 )
 from weightd.server.plan.layout import Layout
-from weightd.server.transports.layout_memory import MAX_REMEMBERED, parse_memory, render_memory
+from weightd.server.transports.layout_memory import (
+    MAX_REMEMBERED,
+    LayoutMemory,
+    parse_memory,
+    render_memory,
+)
 
 
 @pytest.mark.parametrize(
@@ -84,6 +91,10 @@ def test_a_remembered_file_round_trips() -> None:
         (_file("m", [{"tp": 1, "pp_layers": [1.5]}]), "other than integers"),
         (b'{"version": 1, "version": 1, "model": "m", "layouts": []}', "twice"),
         (b'{"version": 1, "model": "m", "layouts": [{"tp": NaN}]}', "not a number"),
+        (b"[" * 30000 + b"]" * 30000, "nested too deep"),
+        (b'{"version": 1, "model": "m", "layouts": [' + b'{"a":' * 20000, "too deep"),
+        (_file("m", [{"tp": 1}]).replace(b"}]}", b'}], "asked": [1, 2]}'), "as long as"),
+        (_file("m", [{"tp": 1}]).replace(b"}]}", b'}], "asked": ["x"]}'), "not a time"),
     ],
 )
 def test_hostile_remembered_files_are_refused(data: bytes, match: str) -> None:
@@ -95,3 +106,31 @@ def test_a_remembered_file_is_bounded_and_deduplicated() -> None:
     many = [{"tp": n} for n in range(1, 40)] + [{"tp": 1}]
     got = parse_memory(_file("m", many), "m")
     assert got == [LayoutGroup(n) for n in range(1, MAX_REMEMBERED + 1)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_remembered_layouts_not_asked_for_are_forgotten(tmp_path: Path) -> None:
+    """A layout nobody asked for within ``forget_after`` is no longer built (issue 48:
+    one mistaken fetch is not rebuilt at every start forever); asking again keeps one."""
+    clock = Clock()
+    day = 24 * 3600.0
+    memory = LayoutMemory(str(tmp_path), forget_after=7 * day, clock=clock)
+    memory.remember("m", LayoutGroup(4))  # the mistaken one
+    clock.now += 3 * day
+    memory.remember("m", LayoutGroup(2))  # the engine's
+    later = LayoutMemory(str(tmp_path), forget_after=7 * day, clock=clock)  # a restart
+    assert later.read("m") == [LayoutGroup(2), LayoutGroup(4)]
+    clock.now += 5 * day
+    later.remember("m", LayoutGroup(2))  # the engine asks again
+    assert LayoutMemory(str(tmp_path), 7 * day, clock).read("m") == [LayoutGroup(2)]
+    assert LayoutMemory(str(tmp_path), 0.0, clock).read("m") == [LayoutGroup(2), LayoutGroup(4)]
+    # a file from before the field: kept, as asked now
+    (tmp_path / os.path.basename(memory.path("old"))).write_bytes(_file("old", [{"tp": 2}]))
+    assert LayoutMemory(str(tmp_path), 7 * day, clock).read("old") == [LayoutGroup(2)]

@@ -3,6 +3,7 @@ version fingerprints and the failure-reason table."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,7 @@ def test_journal_round_trip_and_missing_ranges() -> None:
         b' "done": {"x": [[0, 4]]}, "complete": []}',
         b'{"format": "weightd-download-journal", "version": 1, "part_bytes": 4, "pins": {},'
         b' "done": {}, "complete": ["x"]}',
+        b"[" * 100_000,  # nested too deep
     ],
 )
 def test_unusable_journals_are_discarded(raw: bytes) -> None:
@@ -223,3 +225,31 @@ def test_a_span_is_covered_only_when_every_range_touching_it_is_done() -> None:
     assert not covered(0, 8, 4, {0})
     assert covered(3, 5, 4, {0, 4}) and not covered(3, 5, 4, {4})
     assert covered(8, 9, 4, {8}) and not covered(7, 9, 4, {8})
+
+
+def test_a_download_cache_directory_of_another_user_is_refused_not_taken_over(
+    tmp_path: Path,
+) -> None:
+    """Its files would be served as downloaded: another user's directory is never
+    chmodded and used (root could), and a link in its place is refused."""
+    from weightd.server.base.errors import OutputWriteError
+    from weightd.server.sources.cache import SourceDir
+
+    location = parse_s3_uri("s3://bucket/model/")
+    root = tmp_path / "sources"
+    root.mkdir(mode=0o755)
+    if os.geteuid() == 0:
+        os.chown(root, 65534, 65534)
+        with (
+            pytest.raises(OutputWriteError, match="owned by uid 65534"),
+            SourceDir.open(str(root), None, location),
+        ):
+            pass
+        assert oct(root.stat().st_mode & 0o777) == "0o755"  # untouched
+        root.rmdir()
+    root.symlink_to(tmp_path)
+    with (
+        pytest.raises(OutputWriteError, match="not a directory"),
+        SourceDir.open(str(root), None, location),
+    ):
+        pass

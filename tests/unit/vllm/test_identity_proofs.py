@@ -169,6 +169,7 @@ def test_a_daemon_that_sends_nothing_leaves_shards_unchecked(pair: tuple[Path, P
         (10**9).to_bytes(8, "little"),
         (2).to_bytes(8, "little") + b"[]",
         (2).to_bytes(8, "little") + b"{}" + b"x",
+        (60_000).to_bytes(8, "little") + b"[" * 60_000,  # nested too deep
     ],
 )
 def test_a_file_that_is_not_safetensors_is_refused(header: bytes) -> None:

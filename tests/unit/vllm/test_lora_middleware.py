@@ -64,6 +64,7 @@ def test_read_is_bounded_and_replayed_whole(
         (b"not json", None),
         (b"\xff\xfe", None),
         (b"", None),
+        (b'{"model": ' + b"[" * 100_000, None),  # nested too deep: no traceback out of it
     ],
 )
 def test_model_of(body: bytes, model: str | None) -> None:

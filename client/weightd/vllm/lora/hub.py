@@ -58,6 +58,7 @@ from typing import Final
 
 from weightd.client import AdapterStatus, RetryPolicy, RetryStats, WeightClient, WeightdError
 from weightd.client.base.retry import call_with_retry
+from weightd.common.digests import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, adapter_digest
 
 from ..share.identity import compare
 from .options import ENV, LoRAOptions, parse_lora_options
@@ -107,6 +108,7 @@ class LoRAHub:
     options: LoRAOptions
     _client: WeightClient | None = None
     _root: str | None = None
+    _root_id: tuple[int, int] = (0, 0)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _ready: dict[tuple[str, int], AdapterCopy] = field(default_factory=dict)
     _retired: list[_Retired] = field(default_factory=list)
@@ -147,9 +149,12 @@ class LoRAHub:
             status = self._resolve(client, name)
             ready = self._ready.get((name, status.version))
             if ready is not None and ready.digest == status.digest:
+                self.root()  # still ours and private: what it holds is what was verified
                 return ready
         except WeightdError as exc:
             raise unavailable(name, o.target, exc) from None
+        except OSError as exc:
+            raise not_written(name, exc) from None
         started = time.monotonic()
         try:
             path = self._write(client, status)
@@ -208,23 +213,41 @@ class LoRAHub:
             return self._client
 
     def root(self) -> str:
-        """This process's private directory (0700), made on first use, removed at exit."""
+        """This process's private directory (0700), made on first use, removed at exit.
+
+        Checked on every use (:func:`_check_root`): still the very directory made (same
+        device and inode), a real directory, this user's, 0700. Its parent (``dir``)
+        must be one no other user can replace entries in (:func:`_check_parent`).
+        """
         with self._lock:
             if self._root is None:
                 parent = self.options.dir or None
                 if parent is not None:
                     os.makedirs(parent, mode=0o700, exist_ok=True)
-                self._root = tempfile.mkdtemp(prefix="weightd-lora-", dir=parent)
-                atexit.register(_remove_tree, self._root)
+                parent = _check_parent(parent or tempfile.gettempdir())
+                root = tempfile.mkdtemp(prefix="weightd-lora-", dir=parent)
+                st = os.lstat(root)
+                self._root, self._root_id = root, (st.st_dev, st.st_ino)
+                atexit.register(_remove_tree, root)
+            _check_root(self._root, self._root_id)
             return self._root
 
     def _write(self, client: WeightClient, status: AdapterStatus) -> str:
         """The version's files, received straight into a new directory, checked against
-        its digest, then renamed into place read-only; its path."""
+        its digest, then renamed into place read-only; its path.
+
+        A final directory already there is handed out only once it is verified again
+        (:func:`_verified`: ours, read-only, exactly the two files, read without
+        following links, hashing to the version's digest); anything else there is
+        removed and the version fetched anew.
+        """
         root = self.root()
         final = os.path.join(root, _dir_name(status.name, status.version, status.digest))
-        if os.path.isdir(final):
-            return final
+        if os.path.lexists(final):
+            if _verified(final, status.digest):
+                return final
+            log.warning("weightd: %s is not the verified copy; fetched again", final)
+            _remove_tree(final)
         tmp = tempfile.mkdtemp(prefix=".partial-", dir=root)
         try:
             o = self.options
@@ -233,7 +256,7 @@ class LoRAHub:
             os.rename(tmp, final)
         except BaseException:
             _remove_tree(tmp)
-            if os.path.isdir(final):  # another caller wrote the same version meanwhile
+            if _verified(final, status.digest):  # another caller wrote it meanwhile
                 return final
             raise
         return final
@@ -296,10 +319,102 @@ class LoRAHub:
             _remove_tree(gone)
 
 
+class UnsafeDirectory(OSError):
+    """The hub's directory, or its parent, is one another user could have written."""
+
+
+def _check_parent(parent: str) -> str:
+    """``parent`` without links, once no other user could swap the hub's directory in it.
+
+    Every directory from ``/`` down to it (links resolved first, so the paths handed to
+    vLLM hold none) must be owned by this user or root, and writable by no one else
+    unless sticky (as ``/tmp`` is: there, no one else can rename or remove what this
+    user made). An ancestor another user can write would let them rename the whole
+    branch away and put their own in its place after the hub checked it.
+    """
+    real = os.path.realpath(parent)
+    path = "/"
+    for part in [""] + [p for p in real.split("/") if p]:
+        path = os.path.join(path, part)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeDirectory(f"LoRA dir {parent}: {path} is not a directory")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise UnsafeDirectory(
+                f"LoRA dir {parent}: {path} is owned by uid {st.st_uid}, not this user or root"
+            )
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise UnsafeDirectory(
+                f"LoRA dir {parent}: other users can write {path} "
+                f"({stat.filemode(st.st_mode)}) and it is not sticky: give a directory "
+                "only this user can write"
+            )
+    return real
+
+
+def _check_root(root: str, identity: tuple[int, int]) -> None:
+    """Refuse the hub's directory unless it is still the one made: same device and
+    inode, a real directory, this user's, 0700."""
+    st = os.lstat(root)
+    if (
+        (st.st_dev, st.st_ino) != identity
+        or not stat.S_ISDIR(st.st_mode)
+        or st.st_uid != os.geteuid()
+        or stat.S_IMODE(st.st_mode) & 0o077
+    ):
+        raise UnsafeDirectory(f"LoRA dir {root}: replaced or opened up since this hub made it")
+
+
+def _verified(final: str, digest: str) -> bool:
+    """Whether ``final`` is a copy this user wrote of the version with ``digest``: a real
+    directory of this user's that no one else may write, holding exactly the two files,
+    each a regular file of this user's with one link, read through the directory's
+    descriptor without following links, and together hashing to ``digest``."""
+    try:
+        dfd = os.open(final, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(dfd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o277:
+            return False
+        if sorted(os.listdir(dfd)) != sorted((ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE)):
+            return False
+        hexes = [_file_sha256(dfd, name) for name in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE)]
+    except OSError:
+        return False
+    finally:
+        os.close(dfd)
+    return None not in hexes and adapter_digest(hexes[0] or "", hexes[1] or "") == digest
+
+
+def _file_sha256(dfd: int, name: str) -> str | None:
+    """SHA-256 of ``name`` in the directory ``dfd`` if it is this user's regular,
+    read-only, singly linked file (opened without following a link), else None."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        st = os.fstat(fd)
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_uid != os.geteuid()
+            or st.st_nlink != 1
+            or stat.S_IMODE(st.st_mode) & 0o277
+        ):
+            return None
+        h = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
 def _remove_tree(path: str) -> None:
     """Remove a private copy (its directories are read-only: made writable first)."""
     for top, dirs, _ in os.walk(path):
         for d in [top, *(os.path.join(top, x) for x in dirs)]:
+            if os.path.islink(d):
+                continue  # never chmod through a link
             with contextlib.suppress(OSError):
                 os.chmod(d, stat.S_IRWXU)
     shutil.rmtree(path, ignore_errors=True)

@@ -167,7 +167,7 @@ async def _drop(models: Any, name: str) -> None:
 def _model_of(body: bytes) -> str | None:
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep: vLLM answers it
         return None
     model = parsed.get("model") if isinstance(parsed, dict) else None
     return model if isinstance(model, str) and model else None

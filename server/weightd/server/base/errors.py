@@ -20,6 +20,8 @@ import enum
 from dataclasses import dataclass
 from typing import Final
 
+from .redact import redact
+
 
 class Code(enum.IntEnum):
     """The status codes the daemon answers with; numbers and names as in gRPC."""
@@ -784,14 +786,26 @@ def error_status(error: BaseException) -> ErrorStatus:
 
 def _field_text(value: str | int | float | bool) -> str:
     """A field as metadata text: control characters escaped, cut to its bound."""
-    text = value if isinstance(value, str) else str(value)
-    if not text.isprintable():
-        text = repr(text)[1:-1]
+    text = redact(_escaped(value if isinstance(value, str) else str(value)))
     return text if len(text) <= MAX_FIELD_CHARS else text[:MAX_FIELD_CHARS] + "..."
 
 
+def _escaped(text: str) -> str:
+    """``text`` with every character that is not printable (ESC, CR, LF, a bidi
+    override) written as its escape; printable text, a space included, is kept."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _bounded(detail: str) -> str:
-    """``detail`` cut to :data:`MAX_DETAIL_BYTES` of UTF-8, saying how much was cut."""
+    """``detail`` as it leaves the daemon: control characters escaped, credentials in URLs
+    masked (:func:`~.redact.redact`), cut to :data:`MAX_DETAIL_BYTES` of UTF-8 saying
+    how much was cut. The one place every error detail is made, on every edge (gRPC,
+    the side socket), so a string from outside that a message quotes unescaped (a
+    path, a manifest name, a GPU id) still cannot forge a line or move a terminal's
+    cursor, and a configured secret a message names is not echoed."""
+    detail = redact(_escaped(detail))
     raw = detail.encode()
     if len(raw) <= MAX_DETAIL_BYTES:
         return detail

@@ -3,7 +3,9 @@
 The output is a TOML file the daemon accepts (``weightd config show ... > weightd.toml``
 gives a working ``--config``), each value followed by a comment naming its source:
 ``default``, the file and key, the ``WEIGHTD_*`` variable, or the flag. ``--json``
-prints the same as one JSON object ``{path: {"value": ..., "origin": ...}}``.
+prints the same as one JSON object ``{path: {"value": ..., "origin": ...}}``. Both
+show no credential: a URL's password or a credential parameter is ``***``
+(:func:`~weightd.server.base.redact.redact`), whichever setting holds it.
 :func:`reference_markdown` writes the docs' reference page from the same settings.
 """
 
@@ -14,6 +16,7 @@ import json
 import os
 from typing import Any
 
+from ..base.redact import redact
 from ..config import Loaded, ServeConfig, load
 from ..config.fields import Setting, sections, title
 from ..config.kinds import Maybe
@@ -33,11 +36,14 @@ def add_parsers(sub: Any) -> None:
 
 
 def _json_value(value: Any) -> Any:
+    """``value`` as JSON, every text in it redacted (:func:`redact`)."""
     if isinstance(value, tuple):
         return [_json_value(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, (int, float, bool)) or value is None:
         return value
-    return str(value)
+    return redact(str(value))
 
 
 def render_toml(loaded: Loaded) -> str:
@@ -45,6 +51,7 @@ def render_toml(loaded: Loaded) -> str:
     lines = [
         "# weightd serve: effective settings (precedence: default < file < WEIGHTD_* < flags)",
         f"# config file: {loaded.file or 'none'}",
+        "# passwords and credentials in URLs are shown as ***",
     ]
     current: str | None = None
     tables = dict(sections(ServeConfig))
@@ -63,7 +70,7 @@ def _line(s: Setting, loaded: Loaded) -> str:
     source = str(origin) if origin is not None else "default"
     if value is None:
         return f"# {s.key} = (unset)  # {source}"
-    return f"{s.key} = {s.spec.kind.to_toml(value)}  # {source}"
+    return f"{s.key} = {redact(s.spec.kind.to_toml(value))}  # {source}"
 
 
 def render_json(loaded: Loaded) -> str:

@@ -52,6 +52,7 @@ def local_config(config: ServeConfig) -> LocalConfig:
         cuda_ipc=local.cuda_ipc,
         cuda_budget_bytes=local.cuda_budget_bytes,
         max_connections=local.side_max_connections,
+        max_connections_per_user=local.side_max_connections_per_user,
         request_seconds=local.side_request_seconds,
     )
 
@@ -99,6 +100,7 @@ def prebuild_options(config: ServeConfig) -> PrebuildOptions:
     return PrebuildOptions(
         declared=config.layout,
         remember=local.remember_layouts and bool(config.cache_dir),
+        max_remembered=local.max_remembered_layouts,
         drop_shard_pages=local.drop_shard_pages,
         threads=local.pack_build_threads or None,
     )

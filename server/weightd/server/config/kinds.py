@@ -229,7 +229,7 @@ class Items(Kind[Any]):
         if stripped.startswith("["):
             try:
                 items = json.loads(stripped)
-            except ValueError:
+            except (ValueError, RecursionError):  # nested too deep is not a list of strings
                 raise KindError(f"expected a JSON array of strings, got {_show(text)}") from None
             if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
                 raise KindError(f"expected a JSON array of strings, got {_show(text)}")

@@ -83,6 +83,10 @@ def read_config_file(path: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:  # the parser recurses once per nested array or table
+        raise ConfigFileError(
+            f"{path}: not a config file: arrays or tables nested too deep"
+        ) from None
 
 
 def _unknown(path: str, key: str, known: Iterable[str], where: str) -> ConfigFileError:

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from ..adapters.autoload import check_component, check_digest, check_pattern
 from ..plan.declared import DeclaredLayout, parse_declared
+from ..registry.holdbounds import HoldBounds
 from ..rpc.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from ..sources.bounds import StoreBounds
 from ..sources.download import DownloadSettings
@@ -24,6 +25,7 @@ from ..sources.s3 import S3Settings
 from ..transports.options import (
     DEFAULT_CUDA_BUDGET_BYTES,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_REMEMBERED,
     DEFAULT_REQUEST_SECONDS,
     DEFAULT_TTL_SECONDS,
 )
@@ -34,6 +36,7 @@ LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 _S3_DOWNLOAD: Final = DownloadSettings()
 _S3: Final = S3Settings()
 _BOUNDS: Final = StoreBounds()
+_HOLDS: Final = HoldBounds()
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,20 @@ class ServerSection(Section):
         60.0,
         Seconds(),
         "cancel a server stream whose client has taken no message for this long (0: off)",
+        check=not_negative,
+    )
+    max_connections: int = setting(
+        0,
+        Integer(),
+        "worker connections kept at once, in all (gRPC has no per-peer hook); past it new "
+        "ones are closed at once (0: a quarter of the open-file limit, at most 4096)",
+        check=not_negative,
+    )
+    connection_idle_seconds: float = setting(
+        300.0,
+        Seconds(),
+        "close a worker connection with no RPC for this long (clients reconnect by "
+        "themselves; 0: never)",
         check=not_negative,
     )
     reflection: bool = setting(False, Flag(), "serve gRPC server reflection")
@@ -342,6 +359,15 @@ class LocalSection(Section):
         "RESOURCE_EXHAUSTED",
         check=at_least(1),
     )
+    side_max_connections_per_user: int = setting(
+        0,
+        Integer(),
+        "side-socket connections one user other than the daemon's (the peer's uid) may hold "
+        "at once, beyond which that user's new ones are refused with RESOURCE_EXHAUSTED (0: "
+        "half of side-max-connections), so no member of the daemon's group can take every "
+        "lease slot from the daemon's own engines",
+        check=not_negative,
+    )
     side_request_seconds: float = setting(
         DEFAULT_REQUEST_SECONDS,
         Seconds(),
@@ -353,6 +379,21 @@ class LocalSection(Section):
         Flag(),
         "remember the layouts workers ask for (in cache-dir) and build their packs at the "
         "next load, like --layout",
+    )
+    max_remembered_layouts: int = setting(
+        DEFAULT_MAX_REMEMBERED,
+        Integer(),
+        "remembered layouts built at a load or publish besides the declared ones, most "
+        "recently asked first (any worker's ask is remembered: declare the layouts your "
+        "engines need with --layout, which are always built)",
+        check=not_negative,
+    )
+    forget_layouts_after: float = setting(
+        7 * 24 * 3600.0,
+        Seconds(),
+        "seconds after a remembered layout was last asked for that it is forgotten (no "
+        "longer built at a load; 0: never)",
+        check=not_negative,
     )
     drop_shard_pages: bool = setting(
         True,
@@ -366,6 +407,48 @@ class LocalSection(Section):
         "threads that build a layout's packs (0: every core)",
         check=not_negative,
     )
+
+
+@dataclass
+class VersionsSection(Section):
+    """Model versions: what engines' holds (HoldVersion) may keep."""
+
+    table = "versions"
+    flag_prefix = "versions-"
+
+    max_old: int = setting(
+        _HOLDS.max_old,
+        Integer(),
+        "older versions of a model kept while holds name them, besides the current one; a "
+        "publish past it drops the oldest, holds and all (each keeps its checkpoint files "
+        "open and its packs in shared memory)",
+        check=not_negative,
+    )
+    max_holds_per_client: int = setting(
+        _HOLDS.max_holds_per_client,
+        Integer(),
+        "holds one client (a TCP peer address, or the Unix socket) may have at once; one "
+        "more ends that client's oldest hold",
+        check=at_least(1),
+    )
+    max_holds: int = setting(
+        _HOLDS.max_holds,
+        Integer(),
+        "holds outstanding at once in all; one more ends the oldest hold of the client "
+        "holding the most",
+        check=at_least(1),
+    )
+    max_hold_seconds: float = setting(
+        _HOLDS.max_hold_seconds,
+        Seconds(),
+        "the longest TTL a hold may ask for (a holder that dies lets go after it)",
+        check=positive,
+    )
+
+    def bounds(self) -> HoldBounds:
+        return HoldBounds(
+            self.max_old, self.max_holds, self.max_holds_per_client, self.max_hold_seconds
+        )
 
 
 @dataclass
@@ -488,6 +571,7 @@ class ServeConfig:
     trust: TrustSection = field(default_factory=TrustSection)
     s3: S3Section = field(default_factory=S3Section)
     local: LocalSection = field(default_factory=LocalSection)
+    versions: VersionsSection = field(default_factory=VersionsSection)
     adapters: AdapterSection = field(default_factory=AdapterSection)
 
     def get(self, path: str) -> Any:
@@ -575,5 +659,6 @@ __all__ = [
     "ServerSection",
     "TlsSection",
     "TrustSection",
+    "VersionsSection",
     "parse_named",
 ]

@@ -28,6 +28,7 @@ from ..registry.models import LoadedModel, ModelRegistry
 from ..rpc.adapters import Adapters
 from ..rpc.guards import AdminGate
 from ..rpc.interceptors import InflightTracker, RpcObserver
+from ..rpc.peers import connection_options
 from ..rpc.requests import RequestGuard
 from ..rpc.streams import StreamBounds, StreamWatchdog
 from ..rpc.versions import Versions
@@ -246,6 +247,9 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
         options = [
             ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
             ("grpc.max_receive_message_length", 1 << 20),  # requests are small
+            *connection_options(
+                server_config.max_connections, server_config.connection_idle_seconds
+            ),
             *server_config.extra_options,
         ]
         server = grpc.server(
@@ -269,7 +273,7 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             autoload_slots=max(1, server_config.max_workers // 4),
         )
         adapters = Adapters(adapter_service)
-        versions = create_versions(registry)
+        versions = create_versions(registry, config.versions.bounds())
         service = WeightsService(
             registry,
             server_config.chunk_bytes,
@@ -326,7 +330,9 @@ def create_daemon(config: ServeConfig, metrics_registry: CollectorRegistry | Non
             adapter_service.metrics = adapter_metrics(
                 metrics_registry, adapter_service, daemon.local
             )
-            metrics_registry.register(VersionCollector(versions.versions.held))
+            metrics_registry.register(
+                VersionCollector(versions.versions.held, versions.versions.evictions)
+            )
         if warning:
             log.warning("%s", warning)
         if admin_address is not None:

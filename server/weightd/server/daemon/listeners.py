@@ -24,6 +24,11 @@ from ..rpc.adapters import Adapters
 from ..rpc.admin import create_admin_server
 from ..rpc.health import ListenerHealth
 from ..rpc.interceptors import RpcObserver
+from ..rpc.peers import (
+    SMALL_LISTENER_CONNECTIONS,
+    SMALL_LISTENER_IDLE_SECONDS,
+    connection_options,
+)
 from ..rpc.requests import RequestGuard
 from ..rpc.streams import StreamBounds, StreamWatchdog
 from ..rpc.versions import Versions
@@ -146,7 +151,11 @@ def health_server(
             RequestGuard(),
             StreamBounds(watchdog, HEALTH_MAX_WATCHES, "health"),
         ],
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4 << 10)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", 4 << 10),
+            *connection_options(SMALL_LISTENER_CONNECTIONS, SMALL_LISTENER_IDLE_SECONDS),
+        ],
         maximum_concurrent_rpcs=16,
     )
     health_pb2_grpc.add_HealthServicer_to_server(ListenerHealth(servicer, worker), server)

@@ -27,7 +27,8 @@ log = logging.getLogger("weightd")
 def prebuilder_for(config: ServeConfig, packs: PackService) -> LayoutPrebuilder:
     """The daemon's prebuilder, with the layout memory ``config`` asks for."""
     directory = build.layouts_dir(config)
-    memory = LayoutMemory(directory) if directory is not None else None
+    forget = config.local.forget_layouts_after
+    memory = LayoutMemory(directory, forget) if directory is not None else None
     packs.memory = memory
     return LayoutPrebuilder(packs, build.prebuild_options(config), memory)
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..registry.holdbounds import HoldBounds
 from ..registry.loading import Reloader
 from ..registry.models import LoadedModel, ModelRegistry
 from ..registry.publish import Prepared, PrepareVersion, Publisher, no_preparation
@@ -22,9 +24,9 @@ from ..transports.prebuild import LayoutPrebuilder
 from ..transports.prepare import prepare_host_packs
 
 
-def create_versions(registry: ModelRegistry) -> Versions:
+def create_versions(registry: ModelRegistry, bounds: HoldBounds | None = None) -> Versions:
     """Versions numbered from the registry's first publish (call before loading models)."""
-    versions = ModelVersions()
+    versions = ModelVersions(bounds=bounds)
     versions.attach(registry)
     return Versions(versions)
 
@@ -84,12 +86,18 @@ def finish_versions(
 
 
 class VersionCollector:
-    """Held model versions: how many per model, and holds and engines per version."""
+    """Held model versions: how many per model, the bytes the older ones keep, holds and
+    engines per version, and what the hold bounds ended early."""
 
-    def __init__(self, held: Callable[[], list[HeldVersion]]) -> None:
+    def __init__(
+        self,
+        held: Callable[[], list[HeldVersion]],
+        evicted: Callable[[], tuple[int, int]] = lambda: (0, 0),
+    ) -> None:
         self._held = held
+        self._evicted = evicted
 
-    def _families(self) -> tuple[GaugeMetricFamily, ...]:
+    def _families(self) -> tuple[Any, ...]:
         return (
             GaugeMetricFamily(
                 "weightd_model_version",
@@ -112,20 +120,46 @@ class VersionCollector:
                 "Distinct holders (engines) holding a version.",
                 labels=["model", "version"],
             ),
+            GaugeMetricFamily(
+                "weightd_model_old_versions_bytes",
+                "Tensor bytes of the model's older versions still held (their checkpoint "
+                "files stay open and their packs in shared memory); at most "
+                "versions.max_old such versions.",
+                labels=["model"],
+            ),
+            CounterMetricFamily(
+                "weightd_version_holds_evicted",
+                "Holds ended before their release or TTL to keep a client within "
+                "versions.max_holds_per_client or everyone within versions.max_holds.",
+            ),
+            CounterMetricFamily(
+                "weightd_model_versions_evicted",
+                "Held older versions dropped, holds and all, past versions.max_old.",
+            ),
         )
 
     def describe(self) -> list[Metric]:
         return list(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        current, count, holds, engines = self._families()
+        current, count, holds, engines, old_bytes, holds_evicted, versions_evicted = (
+            self._families()
+        )
         per_model: dict[str, int] = {}
+        per_model_old: dict[str, int] = {}
         for v in self._held():
             per_model[v.model] = per_model.get(v.model, 0) + 1
+            per_model_old[v.model] = per_model_old.get(v.model, 0)
             if v.current:
                 current.add_metric([v.model], float(v.version))
+            else:
+                per_model_old[v.model] += v.total_bytes
             holds.add_metric([v.model, str(v.version)], float(v.holds))
             engines.add_metric([v.model, str(v.version)], float(v.engines))
         for model, n in per_model.items():
             count.add_metric([model], float(n))
-        yield from (current, count, holds, engines)
+            old_bytes.add_metric([model], float(per_model_old[model]))
+        ended, dropped = self._evicted()
+        holds_evicted.add_metric([], float(ended))
+        versions_evicted.add_metric([], float(dropped))
+        yield from (current, count, holds, engines, old_bytes, holds_evicted, versions_evicted)

@@ -20,6 +20,21 @@ without the version the first one took. So here:
 Holds expire by TTL rather than by a connection: a hold costs the daemon no thread,
 and a holder that dies lets go when its TTL passes (the engine asks for a TTL that
 covers its update). Expiry is checked on every call and by the watch loop's poll.
+
+What a client can make the daemon keep is bounded (:class:`HoldBounds`, the
+``[versions]`` settings), and a hold is never refused for want of room, so no client
+can stop an engine from holding the version it needs:
+
+* **old versions**: at most ``max_old`` versions of a model besides the current one
+  stay held; a publish that would keep more drops the oldest, holds and all (its
+  checkpoint files and packs are what a hold really costs). An engine holds the
+  newest versions, so the versions a hoarder keeps are the first to go;
+* **holds per client**: a *client* is what the holder cannot forge in a request (the
+  holder string is its own choice): the connection's peer as the RPC edge sees it
+  (:func:`weightd.server.rpc.peers.client_of`). A client past ``max_holds_per_client``
+  gets its hold, and its own oldest hold ends;
+* **holds in all**: past ``max_holds``, the oldest hold of the client holding the
+  most ends; a client with few holds is never the one cut.
 """
 
 from __future__ import annotations
@@ -37,19 +52,15 @@ from typing import Final
 from ..base.errors import (
     DataIntegrityError,
     InvalidRequest,
-    RequestTooLarge,
     VersionNotHeld,
     echo,
 )
+from .holdbounds import HoldBounds
 from .models import LoadedModel, ModelRegistry
 
 log = logging.getLogger("weightd.versions")
 
 DEFAULT_HOLD_SECONDS: Final = 600.0
-MAX_HOLD_SECONDS: Final = 3600.0
-#: Holds outstanding at once, daemon-wide: each is a few hundred bytes, but a client
-#: could otherwise take them in a loop.
-MAX_HOLDS: Final = 4096
 #: Events a slow watcher may fall behind by before it is cut off (it must watch again).
 MAX_PENDING_EVENTS: Final = 1024
 
@@ -92,6 +103,7 @@ class Hold:
     holder: str
     expires: float
     ttl: float
+    client: str = ""
 
 
 @dataclass
@@ -110,6 +122,7 @@ class HeldVersion:
     current: bool
     holds: int
     engines: int  # distinct holders
+    total_bytes: int = 0
 
 
 class VersionWatch:
@@ -153,8 +166,14 @@ class ModelVersions:
     the registry's lock, so numbers follow the publish order.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, bounds: HoldBounds | None = None
+    ) -> None:
         self._clock = clock
+        self.bounds = bounds or HoldBounds()
+        #: Holds ended to make room, and held versions dropped past ``max_old``.
+        self.holds_evicted = 0
+        self.versions_evicted = 0
         self._lock = threading.Lock()
         self._entries: dict[str, dict[int, _Entry]] = {}
         self._current: dict[str, int] = {}
@@ -188,6 +207,7 @@ class ModelVersions:
             self._emit(VersionEvent("ready", info))
             if current is not None:
                 self._maybe_drop(current)
+            self._drop_past_bound(name)
         log.info("model %s version %d ready (%s)", name, model.version, model.fingerprint[:16])
 
     # --- resolving -------------------------------------------------------------------------
@@ -235,36 +255,96 @@ class ModelVersions:
 
     # --- holds -----------------------------------------------------------------------------
 
-    def hold(self, name: str, version: int, holder: str, ttl: float) -> tuple[Hold, VersionInfo]:
-        """Keep ``version`` of ``name`` (0: the current one) for ``ttl`` seconds at most."""
+    def hold(
+        self, name: str, version: int, holder: str, ttl: float, client: str = ""
+    ) -> tuple[Hold, VersionInfo]:
+        """Keep ``version`` of ``name`` (0: the current one) for ``ttl`` seconds at most.
+
+        ``client``: who asks, as the RPC edge identified the connection (not the
+        holder string). Never refused for want of room: past a bound, the hold that
+        ends is the asking client's oldest, or the biggest holder's (module docstring).
+        """
         if ttl <= 0:
             ttl = DEFAULT_HOLD_SECONDS
-        ttl = min(ttl, MAX_HOLD_SECONDS)
+        ttl = min(ttl, self.bounds.max_hold_seconds)
         model = self.resolve(name, version)
         self.expire()
         with self._lock:
+            self._make_room_locked(client)
             entry = self._entries.get(model.name, {}).get(model.version)
-            if entry is None:  # dropped between resolve and now
+            if entry is None:  # dropped between resolve and now (or to make room)
                 raise self._not_held(model.name, model.version)
-            if len(self._holds) >= MAX_HOLDS:
-                raise RequestTooLarge(
-                    f"{len(self._holds)} version holds are outstanding, the limit is "
-                    f"{MAX_HOLDS}: release holds (or let them expire) first"
-                )
             hold = Hold(
-                secrets.token_hex(16), model.name, model.version, holder, self._clock() + ttl, ttl
+                secrets.token_hex(16),
+                model.name,
+                model.version,
+                holder,
+                self._clock() + ttl,
+                ttl,
+                client,
             )
             self._holds[hold.hold_id] = hold
             entry.holds.add(hold.hold_id)
             info = entry.info
+        self._notify_dropped()
         log.info(
-            "model %s version %d held by %s for at most %.0fs",
+            "model %s version %d held by %s (client %s) for at most %.0fs",
             model.name,
             model.version,
             echo(holder) if holder else "(anonymous)",
+            echo(client) if client else "(local)",
             ttl,
         )
         return hold, info
+
+    def _make_room_locked(self, client: str) -> None:
+        """End holds so one more by ``client`` stays within the bounds (under the lock).
+
+        Holds are in insertion order, so the first of a client's is its oldest.
+        """
+        mine = [h for h in self._holds.values() if h.client == client]
+        if len(mine) >= self.bounds.max_holds_per_client:
+            self._evict_locked(mine[0], f"client {echo(client)} holds {len(mine)}")
+        if len(self._holds) < self.bounds.max_holds:
+            return
+        per_client: dict[str, list[Hold]] = {}
+        for h in self._holds.values():
+            per_client.setdefault(h.client, []).append(h)
+        biggest = max(per_client.values(), key=len)
+        self._evict_locked(biggest[0], f"{len(self._holds)} holds are outstanding in all")
+
+    def _evict_locked(self, hold: Hold, why: str) -> None:
+        del self._holds[hold.hold_id]
+        self.holds_evicted += 1
+        log.warning(
+            "model %s version %d: hold by %s ended early to make room (%s)",
+            hold.model,
+            hold.version,
+            echo(hold.holder) if hold.holder else "(anonymous)",
+            why,
+        )
+        self._unhold_locked(hold)
+
+    def _drop_past_bound(self, name: str) -> None:
+        """Drop ``name``'s oldest held versions past ``max_old`` (under the lock)."""
+        versions = self._entries.get(name, {})
+        current = self._current.get(name)
+        old = sorted(n for n in versions if n != current)
+        for number in old[: max(0, len(old) - self.bounds.max_old)]:
+            entry = versions[number]
+            for hold_id in list(entry.holds):
+                self._holds.pop(hold_id, None)
+            log.warning(
+                "model %s version %d dropped with %d hold(s) left: more than %d older "
+                "versions would stay held",
+                name,
+                number,
+                len(entry.holds),
+                self.bounds.max_old,
+            )
+            entry.holds.clear()
+            self.versions_evicted += 1
+            self._maybe_drop(entry)
 
     def release(self, hold_id: str) -> bool:
         """End a hold; False when there is none by that id (released, expired)."""
@@ -292,8 +372,7 @@ class ModelVersions:
                     hold.ttl,
                 )
                 self._unhold_locked(hold)
-        if gone:
-            self._notify_dropped()
+        self._notify_dropped()  # also what a publish dropped (under the registry's lock)
         return len(gone)
 
     def _unhold_locked(self, hold: Hold) -> None:
@@ -354,9 +433,15 @@ class ModelVersions:
                             self._current.get(name) == number,
                             len(entry.holds),
                             len(holders),
+                            entry.info.total_bytes,
                         )
                     )
             return out
+
+    def evictions(self) -> tuple[int, int]:
+        """``(holds ended early, held versions dropped)`` past the bounds, for the metrics."""
+        with self._lock:
+            return self.holds_evicted, self.versions_evicted
 
     def info(self, name: str, version: int) -> VersionInfo | None:
         with self._lock:

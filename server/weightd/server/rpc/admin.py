@@ -22,6 +22,7 @@ from ..registry.loading import Reloader
 from .adapters import Adapters
 from .guards import AdminAuthorizer
 from .interceptors import Handler, RpcObserver
+from .peers import SMALL_LISTENER_CONNECTIONS, SMALL_LISTENER_IDLE_SECONDS, connection_options
 from .requests import RequestGuard
 from .status import abort, unary
 from .versions import Versions
@@ -124,7 +125,11 @@ def create_admin_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightd-admin"),
         interceptors=[*interceptors, AdminAuthorizer(allowed)],
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 10)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", 64 << 10),
+            *connection_options(SMALL_LISTENER_CONNECTIONS, SMALL_LISTENER_IDLE_SECONDS),
+        ],
         maximum_concurrent_rpcs=4,
     )
     pb_grpc.add_AdminServicer_to_server(AdminService(reloader, adapters, versions), server)

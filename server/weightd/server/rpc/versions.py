@@ -19,6 +19,7 @@ from weightd.v1 import weightd_pb2 as pb
 from ..base.errors import InvalidRequest, WatchOverflow
 from ..registry.publish import Published, Publisher
 from ..registry.versions import ModelVersions, VersionEvent, VersionInfo
+from .peers import client_of
 from .status import abort
 
 #: Seconds between checks that a watcher is still connected (and holds' expiry).
@@ -64,9 +65,15 @@ class Versions:
         self._stop.set()
         self.versions.close()
 
-    def hold(self, request: pb.HoldVersionRequest) -> pb.HoldVersionResponse:
+    def hold(
+        self, request: pb.HoldVersionRequest, context: grpc.ServicerContext
+    ) -> pb.HoldVersionResponse:
         hold, info = self.versions.hold(
-            request.model, request.version, request.holder, float(request.ttl_seconds)
+            request.model,
+            request.version,
+            request.holder,
+            float(request.ttl_seconds),
+            client_of(context),
         )
         return pb.HoldVersionResponse(
             hold_id=hold.hold_id, version=version_pb(info), ttl_seconds=hold.ttl

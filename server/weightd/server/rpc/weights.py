@@ -143,7 +143,7 @@ class WeightsService:
     def HoldVersion(
         self, request: pb.HoldVersionRequest, context: grpc.ServicerContext
     ) -> pb.HoldVersionResponse:
-        return self._versions().hold(request)
+        return self._versions().hold(request, context)
 
     @unary
     def ReleaseVersion(

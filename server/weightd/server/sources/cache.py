@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -34,7 +35,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from ..base.atomicio import write_atomic
-from ..base.errors import SourceCancelled
+from ..base.errors import OutputWriteError, SourceCancelled
+from ..base.redact import redact
 from .download import part_name
 from .journal import Journal, load_journal
 from .location import S3Location
@@ -64,11 +66,21 @@ def fingerprint(objects: Sequence[RemoteObject]) -> str:
 
 
 def _mkdir_private(path: str) -> None:
+    """``path`` as a directory only the daemon's user can enter, made if absent.
+
+    One that exists and is ours with a looser mode is closed (0700); one that is
+    another user's is refused, never taken over: its files (what the daemon would
+    serve as downloaded) are not ours to trust, and as root a ``chmod`` would be.
+    """
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.lstat(path)
-    if not os.path.isdir(path) or os.path.islink(path):
-        raise NotADirectoryError(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not stat.S_ISDIR(st.st_mode):
+        raise OutputWriteError(path, "not a directory (a link?); the download cache needs one")
+    if st.st_uid != os.geteuid():
+        raise OutputWriteError(
+            path, f"owned by uid {st.st_uid}, not this user: not used as the download cache"
+        )
+    if st.st_mode & 0o077:
         os.chmod(path, 0o700)
 
 
@@ -98,7 +110,8 @@ class SourceDir:
         _mkdir_private(root)
         path = os.path.join(root, source_id(endpoint, location))
         _mkdir_private(path)
-        info = {"endpoint": endpoint, "bucket": location.bucket, "prefix": location.prefix}
+        shown = redact(endpoint) if endpoint else endpoint  # a file anyone may cat or back up
+        info = {"endpoint": shown, "bucket": location.bucket, "prefix": location.prefix}
         write_atomic(os.path.join(path, "source.json"), json.dumps(info).encode(), mode=0o600)
         with cls.locked(path, cancel) as held:
             yield held

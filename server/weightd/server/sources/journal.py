@@ -108,14 +108,14 @@ def parse_journal(raw: bytes) -> Journal | None:
         if not complete <= pins.keys():
             return None
         return Journal(pins, part, done, complete)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # nested too deep: not one
         return None
 
 
 def load_journal(path: str) -> Journal | None:
     """The journal at ``path``, or None when there is none or it is not usable."""
     try:
-        raw = read_bounded(path, MAX_JOURNAL_BYTES, follow=False)
+        raw = read_bounded(path, MAX_JOURNAL_BYTES, private=True)
     except ReadRefused:
         return None
     return parse_journal(raw)

@@ -39,6 +39,7 @@ from ..base.errors import (
     WeightdError,
     echo,
 )
+from ..base.redact import redact
 from .bounds import (
     MAX_EMPTY_PAGES,
     MAX_LIST_BYTES,
@@ -152,7 +153,7 @@ def classify(exc: BaseException, uri: str, endpoint: str | None) -> ObjectStoreE
     from botocore import exceptions as bx
     from botocore.parsers import ResponseParserError
 
-    where = endpoint or "the AWS endpoint"
+    where = redact(endpoint) if endpoint else "the AWS endpoint"
     if isinstance(exc, bx.ClientError):
         err = exc.response.get("Error", {})
         code = str(err.get("Code", ""))

@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Final, TextIO
 
+from ..base.redact import redact
+
 log = logging.getLogger("weightd")
 
 #: The lifecycle events; :func:`event` refuses any other name so dashboards and
@@ -49,10 +51,12 @@ _OURS_ATTR: Final = "weightd_cli_handler"
 
 def one_line(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     """``text`` as one line of at most ``limit`` characters (pure): line breaks and
-    control characters escaped, the rest cut with a note. The last line of defence:
-    strings from outside are escaped where they enter (``base.errors.echo``); this makes
-    sure no message, whatever it quotes, can forge a second log line or fill a disk."""
-    out = text.translate(_CONTROLS)
+    control characters escaped, URL passwords and credential parameters masked
+    (:func:`~weightd.server.base.redact.redact`), the rest cut with a note. The last
+    line of defence: strings from outside are escaped where they enter
+    (``base.errors.echo``); this makes sure no message, whatever it quotes, can forge a
+    second log line or fill a disk."""
+    out = redact(text.translate(_CONTROLS))
     if len(out) > limit:
         out = f"{out[:limit]}... ({len(out) - limit} more characters)"
     return out

@@ -10,6 +10,13 @@ The file is hostile input: another process may have written it, or a disk filled
 half-way. It is read with a byte bound, parsed strictly (no duplicate keys, no NaN),
 every group validated (:meth:`LayoutGroup.from_json`), at most :data:`MAX_REMEMBERED`
 kept; anything wrong is logged (escaped) and ignored, never fatal. Written atomically.
+
+Any worker's ask is remembered, so what is remembered is bounded three ways: the
+file keeps :data:`MAX_REMEMBERED` groups, a load builds at most
+``local.max_remembered_layouts`` of them (:mod:`.prebuild`), and a group no worker
+asked for within ``local.forget_layouts_after`` seconds is forgotten (each group's
+last ask is kept beside it, refreshed at most every :data:`REFRESH_SECONDS`): a
+mistaken ``weightd fetch --world-size 4`` is not rebuilt at every start forever.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import json
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from typing import Any, Final
 
 from ..base.atomicio import write_atomic
@@ -32,6 +41,8 @@ log = logging.getLogger("weightd.layouts")
 MAX_REMEMBERED: Final = 8
 MAX_FILE_BYTES: Final = 64 << 10
 VERSION: Final = 1
+#: A group's last ask is written again once it is this old (not at every ask).
+REFRESH_SECONDS: Final = 3600.0
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -49,9 +60,18 @@ def _no_constants(name: str) -> Any:
 
 def parse_memory(data: bytes, model: str) -> list[LayoutGroup]:
     """The groups a layouts file holds for ``model`` (pure); ValueError when malformed."""
-    doc = json.loads(
-        data.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constants
-    )
+    return [group for group, _ in parse_asked(data, model)]
+
+
+def parse_asked(data: bytes, model: str) -> list[tuple[LayoutGroup, float | None]]:
+    """Each group with when it was last asked for (None: the file does not say; a file
+    from before the field), most recent first (pure); ValueError when malformed."""
+    try:
+        doc = json.loads(
+            data.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constants
+        )
+    except RecursionError:  # the parser recurses once per nested list or object
+        raise ValueError("lists or objects nested too deep") from None
     if not isinstance(doc, dict) or doc.get("version") != VERSION:
         raise ValueError(f"not a version-{VERSION} layouts file")
     if doc.get("model") != model:
@@ -59,63 +79,98 @@ def parse_memory(data: bytes, model: str) -> list[LayoutGroup]:
     groups = doc.get("layouts")
     if not isinstance(groups, list):
         raise ValueError("'layouts' is not a list")
-    out: list[LayoutGroup] = []
-    for g in groups[:MAX_REMEMBERED]:
+    asked = doc.get("asked", [None] * len(groups))
+    if not isinstance(asked, list) or len(asked) != len(groups):
+        raise ValueError("'asked' is not a list as long as 'layouts'")
+    out: list[tuple[LayoutGroup, float | None]] = []
+    for g, when in zip(groups[:MAX_REMEMBERED], asked[:MAX_REMEMBERED], strict=True):
+        if when is not None and (isinstance(when, bool) or not isinstance(when, int | float)):
+            raise ValueError(f"'asked' holds {str(when)[:40]!r}, not a time")
         group = LayoutGroup.from_json(g)
-        if group not in out:
-            out.append(group)
+        if all(group != have for have, _ in out):
+            out.append((group, None if when is None else float(when)))
     return out
 
 
-def render_memory(model: str, groups: list[LayoutGroup]) -> bytes:
-    return json.dumps(
-        {"version": VERSION, "model": model, "layouts": [g.to_json() for g in groups]}, indent=1
-    ).encode()
+def render_memory(
+    model: str, groups: list[LayoutGroup], asked: list[float | None] | None = None
+) -> bytes:
+    doc: dict[str, Any] = {
+        "version": VERSION,
+        "model": model,
+        "layouts": [g.to_json() for g in groups],
+    }
+    if asked is not None:
+        doc["asked"] = asked
+    return json.dumps(doc, indent=1).encode()
 
 
 class LayoutMemory:
     """Read and update the remembered layouts of each model under ``directory``."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(
+        self,
+        directory: str,
+        forget_after: float = 0.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.directory = directory
+        #: Seconds after its last ask a group is forgotten (0: never).
+        self.forget_after = forget_after
+        self._clock = clock
         self._lock = threading.Lock()
-        self._known: dict[str, list[LayoutGroup]] = {}
+        self._known: dict[str, list[tuple[LayoutGroup, float | None]]] = {}
 
     def path(self, model: str) -> str:
         digest = hashlib.sha256(model.encode("utf-8", "surrogatepass")).hexdigest()[:32]
         return os.path.join(self.directory, f"{digest}.json")
 
     def read(self, model: str) -> list[LayoutGroup]:
-        """What was remembered for ``model``; [] when nothing (or nothing valid) is."""
+        """What is remembered for ``model`` and was asked for recently enough; [] when
+        nothing (or nothing valid) is."""
         path = self.path(model)
         try:
-            data = read_bounded(path, MAX_FILE_BYTES, follow=False)
+            data = read_bounded(path, MAX_FILE_BYTES, private=True)
         except ReadRefused as exc:
             if os.path.lexists(path):
                 log.warning("remembered layouts %s ignored: %s", path, exc.reason)
             return []
         try:
-            groups = parse_memory(data, model)
+            entries = parse_asked(data, model)
         except (ValueError, UnicodeDecodeError) as exc:
             log.warning("remembered layouts %s ignored: %s", path, echo(str(exc))[:200])
             return []
+        now = self._clock()
+        fresh = [(g, now if when is None else when) for g, when in entries]
+        if self.forget_after > 0:
+            for group, when in fresh:
+                if now - when > self.forget_after:
+                    log.info(
+                        "remembered layout %s of model %s forgotten: no worker asked for it "
+                        "in %.0f s",
+                        group,
+                        echo(model),
+                        now - when,
+                    )
+            fresh = [(g, when) for g, when in fresh if now - when <= self.forget_after]
         with self._lock:
-            self._known[model] = list(groups)
-        return groups
+            self._known[model] = list(fresh)
+        return [g for g, _ in fresh]
 
     def remember(self, model: str, group: LayoutGroup) -> None:
-        """Put ``group`` first in ``model``'s file (written only when that changes it)."""
+        """Put ``group`` first in ``model``'s file, asked now (written only when that
+        changes the order, or its last ask written is :data:`REFRESH_SECONDS` old)."""
+        now = self._clock()
         with self._lock:
-            known = self._known.get(model)
-            if known is None:
-                known = self._known[model] = []
-            if known[:1] == [group]:
-                return
-            if group in known:
-                known.remove(group)
-            known.insert(0, group)
+            known = self._known.setdefault(model, [])
+            if known[:1] and known[0][0] == group:
+                when = known[0][1]
+                if when is not None and now - when < REFRESH_SECONDS:
+                    return
+            known[:] = [(g, w) for g, w in known if g != group]
+            known.insert(0, (group, now))
             del known[MAX_REMEMBERED:]
-            data = render_memory(model, known)
+            data = render_memory(model, [g for g, _ in known], [w for _, w in known])
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             write_atomic(self.path(model), data, mode=0o600)

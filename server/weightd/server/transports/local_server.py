@@ -16,9 +16,12 @@ Bounds, so no client behaviour holds the daemon's memory or slots for long:
   may be waiting for theirs at once, so requests in flight hold at most
   ``MAX_PENDING`` MiB whatever clients send; names inside are bounded by
   :func:`~weightd.server.base.bounds.check_fields`;
-* connections beyond ``max_connections`` (or beyond ``MAX_PENDING`` still waiting)
-  get a hello whose ``refused`` carries RESOURCE_EXHAUSTED and its reason, where
-  the client reads the hello, so it reports the daemon's reason and not a broken pipe.
+* connections beyond ``max_connections``, beyond ``max_per_user`` from one other user
+  (the peer's uid, from ``SO_PEERCRED``: a process cannot forge it, unlike its pid,
+  which a fork renews; the daemon's own user is bounded by the total only), beyond
+  ``MAX_PENDING`` still waiting, or beyond half of those from one other user, get a
+  hello whose ``refused`` carries RESOURCE_EXHAUSTED and its reason, where the client
+  reads the hello, so it reports the daemon's reason and not a broken pipe.
 
 The socket is created beside the gRPC socket, in its 0700 directory, while the
 daemon holds the gRPC socket's ``flock``, so a stale side socket from a dead daemon
@@ -36,6 +39,7 @@ import stat
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Final
 
@@ -62,9 +66,14 @@ _REAP_INTERVAL_MAX: Final = 5.0
 
 
 def _peer_pid(conn: socket.socket) -> int:
+    return _peer_creds(conn)[0]
+
+
+def _peer_creds(conn: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end (the kernel's word)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, _, _ = struct.unpack("3i", creds)
-    return int(pid)
+    pid, uid, _ = struct.unpack("3i", creds)
+    return int(pid), int(uid)
 
 
 #: The ``service`` label of side-channel requests in ``weightd_rpcs_total``.
@@ -117,16 +126,22 @@ class LocalServer:
         request_timeout: float = REQUEST_TIMEOUT_SECONDS,
         max_pending: int = MAX_PENDING,
         socket_mode: int = 0o600,
+        max_per_user: int = 0,
     ) -> None:
         self.path = path
         self.service = service
         self.max_connections = max_connections
+        self.max_per_user = max_per_user or max(1, max_connections // 2)
+        self._own_uid = os.geteuid()
         self.request_timeout = request_timeout
         self.max_pending = max_pending
         self.socket_mode = socket_mode
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._pending = 0
+        #: Connections and those still sending their request, per peer uid.
+        self._per_user: Counter[int] = Counter()
+        self._pending_per_user: Counter[int] = Counter()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
@@ -174,11 +189,18 @@ class LocalServer:
             except OSError:
                 return  # closed by close()
             deadline = time.monotonic() + self.request_timeout
+            try:
+                uid = _peer_creds(conn)[1]
+            except OSError:
+                conn.close()
+                continue
             with self._lock:
-                full = self._full()
+                full = self._full(uid)
                 if full is None:
                     self._conns.add(conn)
                     self._pending += 1
+                    self._per_user[uid] += 1
+                    self._pending_per_user[uid] += 1
             if full is not None:
                 self._refuse(conn, full)
                 continue
@@ -187,17 +209,33 @@ class LocalServer:
             # taken (four TP ranks on two cores: the last rank waited measurably longer).
             # Nothing joins these threads: a connection's end ends its thread.
             try:
-                _thread.start_new_thread(self._serve_logged, (conn, deadline))
+                _thread.start_new_thread(self._serve_logged, (conn, deadline, uid))
             except RuntimeError as exc:  # the host's thread limit: refuse this one, go on
                 with self._lock:
                     self._conns.discard(conn)
                     self._pending -= 1
+                    self._per_user[uid] -= 1
+                    self._pending_per_user[uid] -= 1
                 self._refuse(conn, f"the daemon cannot start a thread for the connection: {exc}")
 
-    def _full(self) -> str | None:
-        """Why a new connection cannot be taken now, or None (called under the lock)."""
+    def _full(self, uid: int) -> str | None:
+        """Why a new connection from user ``uid`` cannot be taken now, or None (called
+        under the lock). Per user first: another user's connections (a member of the
+        daemon's group, with ``--socket-group-access``) never take every slot from the
+        daemon's own user, whose engines are bounded by the total alone."""
+        other = uid != self._own_uid
+        if other and self._per_user[uid] >= self.max_per_user:
+            return (
+                f"uid {uid} holds {self._per_user[uid]} side-channel connections, the most "
+                "one user may (local.side_max_connections_per_user)"
+            )
         if len(self._conns) >= self.max_connections:
             return f"the daemon holds {self.max_connections} side-channel connections already"
+        if other and self._pending_per_user[uid] >= max(1, self.max_pending // 2):
+            return (
+                f"uid {uid} has {self._pending_per_user[uid]} side-channel connections still "
+                "sending their request; try again shortly"
+            )
         if self._pending >= self.max_pending:
             return (
                 f"{self.max_pending} side-channel connections are still sending their "
@@ -214,14 +252,14 @@ class LocalServer:
             conn.shutdown(socket.SHUT_WR)
         conn.close()
 
-    def _serve_logged(self, conn: socket.socket, deadline: float) -> None:
+    def _serve_logged(self, conn: socket.socket, deadline: float, uid: int) -> None:
         """:meth:`_serve`, its unexpected failure logged (a bare thread only prints it)."""
         try:
-            self._serve(conn, deadline)
+            self._serve(conn, deadline, uid)
         except Exception:
             log.exception("side-channel connection failed")
 
-    def _serve(self, conn: socket.socket, deadline: float) -> None:
+    def _serve(self, conn: socket.socket, deadline: float, uid: int) -> None:
         lease = None
         pid = 0
         pending = True
@@ -232,6 +270,7 @@ class LocalServer:
             got = recv_frame(conn, max_bytes=MAX_REQUEST_FRAME_BYTES, deadline=deadline)
             with self._lock:
                 self._pending -= 1
+                self._pending_per_user[uid] -= 1
                 pending = False
             if got is None:
                 return
@@ -261,8 +300,12 @@ class LocalServer:
                 log.debug("pid %d released pack %d", pid, lease.pack_id)
             with self._lock:
                 self._conns.discard(conn)
+                self._per_user[uid] -= 1
                 if pending:
                     self._pending -= 1
+                    self._pending_per_user[uid] -= 1
+                self._per_user += Counter()  # drops users with no connection left
+                self._pending_per_user += Counter()
             conn.close()
 
     def _reap_loop(self, interval: float) -> None:
@@ -309,6 +352,7 @@ def start_local_server(
         config.max_connections,
         request_timeout=config.request_seconds,
         socket_mode=0o660 if group else 0o600,
+        max_per_user=config.resolved_per_user(),
     )
     server.start()
     return server

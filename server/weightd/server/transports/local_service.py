@@ -324,9 +324,12 @@ class PackService:
             return layout_pack(plan.slices)[1]
 
         info = PackInfo(model.name, layout, lpb.PLACEMENT_HOST, declared=declared)
-        return self.host.acquire(
+        lease = self.host.acquire(
             key_of(model, layout), size, info, build_it, wait=wait, on_pending=pending
         )
+        if remember and self.memory is not None:  # asked again: remembered as recent
+            self.memory.remember(model.name, LayoutGroup.of(layout))
+        return lease
 
     def _acquire_adapter(self, req: lpb.AcquirePack) -> Outcome:
         """The current version of adapter ``req.adapter``: its pack, leased with the version."""

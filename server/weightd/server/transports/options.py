@@ -52,6 +52,15 @@ class LocalConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     #: Seconds a connection has, from connecting, to deliver its whole request.
     request_seconds: float = DEFAULT_REQUEST_SECONDS
+    #: Connections one user other than the daemon's (the peer's uid) may hold at once;
+    #: 0: half of ``max_connections``, so another user of the daemon's group never
+    #: takes them all from the daemon's own engines.
+    max_connections_per_user: int = 0
+
+    def resolved_per_user(self) -> int:
+        if self.max_connections_per_user > 0:
+            return min(self.max_connections_per_user, self.max_connections)
+        return max(1, self.max_connections // 2)
 
     def resolved_host_budget(self) -> int:
         if self.host_budget_bytes > 0:
@@ -62,6 +71,10 @@ class LocalConfig:
         return self.pin_budget_bytes if self.pin_budget_bytes > 0 else self.resolved_host_budget()
 
 
+#: Default of ``local.max_remembered_layouts``.
+DEFAULT_MAX_REMEMBERED: Final = 2
+
+
 @dataclass(frozen=True)
 class PrebuildOptions:
     """What ``weightd serve`` says about declared layouts (built in ``config/build.py``)."""
@@ -69,6 +82,10 @@ class PrebuildOptions:
     declared: tuple[DeclaredLayout, ...] = ()
     #: Remember the layouts workers ask for, and build them at the next load.
     remember: bool = True
+    #: Remembered layouts built at a load or publish besides the declared ones: what
+    #: any worker asked for is remembered, so this bounds what a client can make
+    #: every later load build (most recently asked first).
+    max_remembered: int = DEFAULT_MAX_REMEMBERED
     #: Drop a model's shard pages from the page cache once its declared packs are built.
     drop_shard_pages: bool = True
     #: Threads a layout's build uses (None: every core).

@@ -60,15 +60,20 @@ class LayoutPrebuilder:
         self._held: dict[str, list[Lease[HostPack]]] = {}
 
     def groups_for(self, model: str) -> list[tuple[LayoutGroup, str]]:
-        """``(group, origin)`` to build for ``model``: declared first, then remembered."""
+        """``(group, origin)`` to build for ``model``: every declared one, then at most
+        ``max_remembered`` remembered ones (most recently asked first) that are not
+        declared: a worker's asks never push a declared layout out, nor make a load
+        build more than that."""
         out: list[tuple[LayoutGroup, str]] = []
         for d in self.options.declared:
             if d.model in (None, model) and all(g != d.group for g, _ in out):
                 out.append((d.group, "declared"))
         if self.memory is not None and self.options.remember:
+            room = self.options.max_remembered
             for g in self.memory.read(model):
-                if all(g != have for have, _ in out):
+                if room > 0 and all(g != have for have, _ in out):
                     out.append((g, "remembered"))
+                    room -= 1
         return out
 
     def prepare(self, model: LoadedModel) -> int:
@@ -95,7 +100,7 @@ class LayoutPrebuilder:
                     )
                     continue
                 try:
-                    leases += self._hold(model, plans)
+                    leases += self._hold(model, plans, declared=origin == "declared")
                 except PackMemoryExhausted as exc:
                     log.error(
                         "layout %s of model %s not built (workers get it over gRPC): %s",
@@ -132,7 +137,9 @@ class LayoutPrebuilder:
         )
         return sum(int(lease.built) for lease in leases)
 
-    def _hold(self, model: LoadedModel, plans: Sequence[RankPlan]) -> list[Lease[HostPack]]:
+    def _hold(
+        self, model: LoadedModel, plans: Sequence[RankPlan], *, declared: bool
+    ) -> list[Lease[HostPack]]:
         """Leases on every rank's pack; the missing ones built together, in one pass."""
         labels = [f"weightd:{model.name}:{pack_label(p.layout)}" for p in plans]
         cache = self.packs.host
@@ -157,7 +164,7 @@ class LayoutPrebuilder:
         try:
             for i, plan in enumerate(plans):
                 lease = self.packs.host_lease(
-                    model, plan, build=functools.partial(build, i), declared=True
+                    model, plan, build=functools.partial(build, i), declared=declared
                 )
                 self.packs.hold(lease, True)
                 leases.append(lease)

@@ -14,9 +14,12 @@ the old file or the new one. A file that cannot be read or parsed is ignored (an
 hashing happens), never trusted in part.
 
 What the cache is trusted with: whoever can write the cache directory can make the
-daemon skip hashing. Keep it private to the daemon's user (it is created 0700), or
-run with ``--reverify``. The cache never replaces the fetch-time checks: every tensor
-is still re-hashed against its digest the first time a layout needs it.
+daemon skip hashing. So a cache file is used only when it and its directory are the
+daemon's user's, writable by no one else, the file not a link and with one link
+(:func:`~weightd.server.base.readfile.read_bounded` ``private``); any other is
+ignored with a warning and the shards hashed. ``--reverify`` ignores it always. The
+cache never replaces the fetch-time checks: every tensor is still re-hashed against
+its digest the first time a layout needs it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Final
 
 from ..base.atomicio import write_atomic
 from ..base.errors import OutputWriteError
+from ..base.readfile import ReadRefused, read_bounded
 from ..store.shards import FileIdentity
 from .hashing import ShardDigests, TensorRange
 
@@ -66,13 +70,12 @@ class HashCache:
         if self._entries is not None:
             return self._entries
         self._entries = {}
-        try:
-            with open(self.path, "rb") as f:
-                raw = f.read(MAX_CACHE_BYTES + 1)
-        except FileNotFoundError:
+        if not os.path.lexists(self.path):
             return self._entries
-        except OSError as exc:
-            log.warning("hash cache %s unreadable (%s); hashing again", self.path, exc.strerror)
+        try:
+            raw = read_bounded(self.path, MAX_CACHE_BYTES + 1, private=True)
+        except ReadRefused as exc:  # another user's file would make us skip hashing
+            log.warning("hash cache %s %s; hashing again", self.path, exc.reason)
             return self._entries
         try:
             doc = json.loads(raw)
