@@ -1,6 +1,6 @@
 """reference/source-layout.md: the repository's packages and modules, each with the
-first line of its docstring and its size, and the daemon's stage layers as
-``pyproject.toml``'s import contract declares them."""
+first line of its docstring and its size, and the layers of the daemon, the client and
+the vLLM plugin as ``pyproject.toml``'s import contracts declare them."""
 
 from __future__ import annotations
 
@@ -19,12 +19,17 @@ else:  # pragma: no cover - the docs build runs on 3.11 here
 FOLDERS = {
     "proto/weightd/v1/": "the wire contract (`weightd.proto`) and the same-host side "
     "channel (`local.proto`)",
-    "client/weightd/client/": "`weightd.client`: WeightClient, AdminClient, typed errors, "
-    "receiving, the same-host transports (grpcio, protobuf and torch only)",
+    "client/weightd/client/": "`weightd.client`, one package per layer: the public API "
+    "(WeightClient, AdminClient), the transports (gRPC, side socket, shared memory, CUDA "
+    "IPC), receiving and verifying bytes, and the errors, retry and layout they share "
+    "(grpcio, protobuf and torch only)",
     "client/weightd/common/": "shared by both sides, standard library only (dtype table, "
     "digest format, side-channel frames, CUDA driver binding)",
     "client/weightd/v1/": "generated gRPC stubs, committed (`.ci/gen-proto`)",
-    "client/weightd/vllm/": "vLLM's loader plugin (`--load-format weightd`)",
+    "client/weightd/vllm/": "`weightd.vllm`, vLLM's plugin, one package per vLLM plug point: "
+    "the model loader (`--load-format weightd`), LoRA adapters (resolver, middleware), "
+    "the weight-transfer backend; over the share-fetching code they use, one settings "
+    "reader and one error hierarchy",
     "server/weightd/server/": "the daemon: one package per pipeline stage (below)",
     "bench/": "benchmarks (not tests); their results go to dated notes",
     "tests/": "unit/ mirrors the packages; the other folders are suites by subject",
@@ -49,12 +54,50 @@ def _lines(path: Path) -> int:
     return len(path.read_text().splitlines())
 
 
-def _layers() -> list[str]:
+def _layers(container: str) -> list[str]:
+    """The layers the import contract declares for ``container``, top first."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     for contract in config["tool"]["importlinter"]["contracts"]:
-        if contract.get("type") == "layers":
+        if contract.get("type") == "layers" and contract.get("containers") == [container]:
             return list(contract["layers"])
     return []
+
+
+def _modules(folder: Path) -> list[str]:
+    """One table row per module of ``folder`` (its subpackages' too, by relative path)."""
+    rows = []
+    for module in sorted(folder.rglob("*.py")):
+        name = module.relative_to(folder).as_posix()
+        if not name.endswith("__init__.py"):
+            rows.append(f"| `{name}` | {_lines(module):,} | {_summary(module)} |")
+    return rows
+
+
+def _part(folder: Path, name: str) -> tuple[str, Path]:
+    """A layer's part as shown (``api/``, ``errors.py``) and the file whose docstring says
+    what it holds."""
+    package = folder / name / "__init__.py"
+    return (f"{name}/", package) if package.exists() else (f"{name}.py", folder / f"{name}.py")
+
+
+def _package(title: str, folder: Path) -> list[str]:
+    """A client-side package: its layers (a subpackage or a module per name), then
+    every module with its line."""
+    out = ["", f"## `weightd.{title}`", "", _summary(folder / "__init__.py"), ""]
+    layers = _layers(f"weightd.{title}")
+    if layers:
+        out += ["| layer (top imports bottom) | what |", "|---|---|"]
+        sep = " \\| "
+        for layer in layers:
+            parts = [_part(folder, n.strip()) for n in layer.split("|")]
+            heads = sep.join(f"`{shown}`" for shown, _ in parts)
+            whats = " ".join(
+                _summary(path) if len(parts) == 1 else f"`{shown}`: {_summary(path)}"
+                for shown, path in parts
+            )
+            out.append(f"| {heads} | {whats} |")
+        out.append("")
+    return [*out, "| module | lines | what |", "|---|---|---|", *_modules(folder)]
 
 
 def render() -> str:
@@ -78,7 +121,7 @@ def render() -> str:
         "|---|---|---|",
     ]
     packages = []
-    for layer in _layers():
+    for layer in _layers("weightd.server"):
         names = [n.strip() for n in layer.split("|")]
         packages += names
         modules = [m for n in names for m in (server / n).glob("*.py")]
@@ -93,15 +136,6 @@ def render() -> str:
             if module.name == "__init__.py":
                 continue
             out.append(f"| `{module.name}` | {_lines(module):,} | {_summary(module)} |")
-    for title, folder in (
-        ("client", ROOT / "client" / "weightd" / "client"),
-        ("common", ROOT / "client" / "weightd" / "common"),
-        ("vllm", ROOT / "client" / "weightd" / "vllm"),
-    ):
-        out += ["", f"## `weightd.{title}`", "", _summary(folder / "__init__.py"), ""]
-        out += ["| module | lines | what |", "|---|---|---|"]
-        for module in sorted(folder.rglob("*.py")):
-            name = module.relative_to(folder).as_posix()
-            if name != "__init__.py":
-                out.append(f"| `{name}` | {_lines(module):,} | {_summary(module)} |")
+    for title in ("client", "common", "vllm"):
+        out += _package(title, ROOT / "client" / "weightd" / title)
     return "\n".join(out) + "\n"

@@ -13,10 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.models import build_model, expected_slice
-from weightd.client import WeightClient
+from weightd.client import Transport, WeightClient
 from weightd.client.api.admin import AdminClient
 from weightd.client.base.errors import NotFoundError
-from weightd.client.transports.selection import Transport
 
 BASE_CONFIG: dict[str, Any] = dict(
     vocab_size=128,

@@ -225,6 +225,7 @@ def test_loads_on_request_hold_few_server_threads(
     vLLM side asks again and gets it."""
     import asyncio
 
+    from weightd.client import AdapterLoadPending
     from weightd.client.base.errors import UnavailableError
     from weightd.vllm.lora.hub import LoRAHub
     from weightd.vllm.lora.options import LoRAOptions
@@ -256,6 +257,7 @@ def test_loads_on_request_hold_few_server_threads(
         refused = [v for v in outcomes.values() if isinstance(v, UnavailableError)]
         assert len(outcomes) == 2 and len(refused) == 1, outcomes
         assert "ask again shortly" in refused[0].detail
+        assert isinstance(refused[0], AdapterLoadPending)  # the typed reason clients act on
         hub = LoRAHub(LoRAOptions(target=d.target, dir=str(tmp / "copies"), timeout=120))
 
         async def both() -> list[int]:
@@ -263,3 +265,4 @@ def test_loads_on_request_hold_few_server_threads(
             return [p.version for p in got]
 
         assert len(set(asyncio.run(both()))) == 2  # one of them asked again, and got it
+        assert hub.retry_stats.retries["UNAVAILABLE"] >= 1  # through the client's backoff

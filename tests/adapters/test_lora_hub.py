@@ -16,6 +16,7 @@ from bench.lora_adapters import digest_of
 from tests.adapters.conftest import Fixture
 from tests.conftest import RunningDaemon, run_daemon
 from weightd.client.base.errors import (
+    AdapterLoadPending,
     DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -26,8 +27,10 @@ from weightd.client.base.errors import (
     UnavailableError,
     WeightdError,
 )
-from weightd.vllm.lora.hub import AdapterUnavailable, LoRAHub, unavailable
-from weightd.vllm.lora.options import LoRAOptions, LoRAOptionsError, parse_lora_options
+from weightd.vllm.errors import AdapterUnavailable, SettingsError
+from weightd.vllm.lora.hub import LoRAHub
+from weightd.vllm.lora.options import LoRAOptions, parse_lora_options
+from weightd.vllm.lora.refusals import unavailable
 
 pytestmark = pytest.mark.e2e
 
@@ -126,10 +129,23 @@ def test_options(text: str, target: str, model: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ['{"targt": "x"}', '{"timeout": "5"}', '{"load": 1}', "{", '{"timeout": 0}']
+    "text",
+    [
+        '{"targt": "x"}',
+        '{"timeout": "5"}',
+        '{"load": 1}',
+        "{",
+        '{"timeout": 0}',
+        '{"timeout": NaN}',  # the loader refused NaN; WEIGHTD_LORA accepted it
+        '{"timeout": Infinity}',
+        '{"retain_seconds": NaN}',
+        '{"max_bytes": 1.5}',
+        '{"target": "http://h:1"}',  # the one address rule, as the loader's
+        "localhost",
+    ],
 )
 def test_bad_options(text: str) -> None:
-    with pytest.raises(LoRAOptionsError):
+    with pytest.raises(SettingsError, match="WEIGHTD_LORA"):
         parse_lora_options(text)
 
 
@@ -138,6 +154,13 @@ def test_bad_options(text: str) -> None:
     [
         (NotFoundError("x"), 404, "weightd adapter 'a' not found: x"),
         (UnavailableError("x"), 503, "weightd adapter 'a': the daemon at T is unreachable: x"),
+        (AdapterLoadPending("x"), 503, "weightd adapter 'a': the daemon is still loading it: x"),
+        # The reason decides, not the words: a plain UNAVAILABLE is the daemon gone.
+        (
+            UnavailableError("ask again shortly"),
+            503,
+            "weightd adapter 'a': the daemon at T is unreachable",
+        ),
         (DeadlineExceededError("x"), 503, "weightd adapter 'a': the daemon at T is unreachable"),
         (ResourceExhaustedError("x"), 503, "weightd adapter 'a': the daemon cannot hold it now"),
         (DataLossError("x"), 400, "weightd adapter 'a' refused: x"),

@@ -24,9 +24,9 @@ from weightd.client import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    Transport,
     WeightClient,
 )
-from weightd.client.transports.selection import Transport
 
 pytestmark = pytest.mark.e2e
 

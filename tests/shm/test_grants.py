@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from weightd.client import Delivery
 from weightd.client.transports import shm
 from weightd.server.packs.build import HostPack, PackEntry, layout_pack
 from weightd.server.packs.cache import Lease, PackCache
@@ -124,15 +125,9 @@ def test_client_populates_by_default_exactly_the_packs_granted_in_huge_pages(
 
     monkeypatch.setattr(shm, "_populate", spy)
     conn = _Conn()
-    views = shm.map_host_pack(
-        grant,
-        os.dup(pack.fd),
-        conn,
-        copy=False,
-        verify=True,  # every slice against the table: the mapping holds the pack's bytes
-        device=torch.device("cpu"),
-        want_populate=asked,
-    )
+    # verify: every slice against the table: the mapping holds the pack's bytes
+    delivery = Delivery(device=torch.device("cpu"), verify=True, populate=asked)
+    views = shm.map_host_pack(grant, os.dup(pack.fd), conn, delivery)
     assert populated == ([1] if (pack.huge if asked is None else asked) else [])
     assert sorted(views) == sorted(e.name for e in pack.entries)
     for e in pack.entries:

@@ -17,6 +17,7 @@ from .base.errors import (
     AbortedError,
     AccessDenied,
     AdapterInvalid,
+    AdapterLoadPending,
     AdapterNotFound,
     AdminOnly,
     CheckpointInvalid,
@@ -56,9 +57,12 @@ from .base.errors import (
     WorkerOnly,
 )
 from .base.layout import Layout
+from .base.request import Delivery, DeliveryOptions, Transport, Wanted
 from .transports.selection import FetchInfo, PackRef, TransportFailure
 
 if TYPE_CHECKING:
+    from .api.adapter_files import AdapterFiles, AdapterStatus
+    from .api.adapters import AdapterEvent, AdapterWatch, AdapterWeights
     from .api.admin import AdminClient, Published, ReloadResult
     from .api.descriptions import FileDigest, ModelDescription, ModelInfo, TensorInfo
     from .api.tls import tls_credentials
@@ -70,6 +74,11 @@ if TYPE_CHECKING:
 #: worker's same-host fetch never needs (it imports only what it uses: a fresh
 #: process's first fetch is timed in milliseconds, each module costs some).
 _WITH_TORCH = {
+    "AdapterEvent": ".api.adapters",
+    "AdapterFiles": ".api.adapter_files",
+    "AdapterStatus": ".api.adapter_files",
+    "AdapterWatch": ".api.adapters",
+    "AdapterWeights": ".api.adapters",
     "AdminClient": ".api.admin",
     "Published": ".api.admin",
     "ReloadResult": ".api.admin",
@@ -100,14 +109,22 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AbortedError",
     "AccessDenied",
+    "AdapterEvent",
+    "AdapterFiles",
     "AdapterInvalid",
+    "AdapterLoadPending",
     "AdapterNotFound",
+    "AdapterStatus",
+    "AdapterWatch",
+    "AdapterWeights",
     "AdminClient",
     "AdminOnly",
     "CheckpointInvalid",
     "DaemonUnreachable",
     "DataLossError",
     "DeadlineExceededError",
+    "Delivery",
+    "DeliveryOptions",
     "DigestMismatch",
     "DigestMismatchError",
     "FailedPreconditionError",
@@ -144,6 +161,7 @@ __all__ = [
     "StaleGrant",
     "TensorInfo",
     "TensorNotFound",
+    "Transport",
     "TransportFailure",
     "TransportUnavailable",
     "UnauthenticatedError",
@@ -154,6 +172,7 @@ __all__ = [
     "VersionInfo",
     "VersionWatch",
     "VocabPadUnsupportedError",
+    "Wanted",
     "WeightClient",
     "WeightdError",
     "WorkerOnly",

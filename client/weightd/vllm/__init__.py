@@ -1,6 +1,9 @@
-"""vLLM integration: ``--load-format weightd`` loads a vLLM engine's weights from weightd;
-``weight_transfer_config={"backend": "weightd"}`` moves a running engine to a new
-version in place (``transfer.py``, ``rl.py``).
+"""vLLM integration, one package per plug point: ``--load-format weightd`` loads a vLLM
+engine's weights from weightd (``loader/``); ``WEIGHTD_LORA`` serves weightd's LoRA
+adapters (``lora/``); ``weight_transfer_config={"backend": "weightd"}`` moves a running
+engine to a new version in place (``transfer/``). All three fetch a worker's share
+through ``share/``, read their settings through ``settings.py`` and raise the errors
+of ``errors.py``.
 
 Installed with ``pip install "weightd[vllm]"``; vLLM finds it through the
 ``vllm.general_plugins`` entry point and calls :func:`register` in every process it

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightd.client.base.layout import Layout
+from weightd.client import Layout, Wanted
 from weightd.client.transports import localwire
 from weightd.v1 import local_pb2 as lpb
 from weightd.v1 import weightd_pb2 as pb
@@ -28,15 +28,11 @@ LAYOUT = Layout(
 
 def test_an_acquire_is_what_protobuf_reads() -> None:
     data = localwire.encode_acquire(
-        model="m\u00e9",
-        layout=LAYOUT,
-        names=["a", "b.weight"],
+        Wanted(LAYOUT, "m\u00e9", ("a", "b.weight"), version=2**33 + 5, adapter="ad"),
         placement=localwire.PLACEMENT_CUDA,
         gpu_uuid="GPU-1",
-        adapter="ad",
         slice_digests=["blake3", "sha256"],
         no_wait=True,
-        version=2**33 + 5,
     )
     req = lpb.LocalRequest.FromString(data)
     assert req.WhichOneof("request") == "acquire"
@@ -52,7 +48,7 @@ def test_an_acquire_is_what_protobuf_reads() -> None:
     assert a.version == 2**33 + 5
     assert Layout.of_proto(a.layout) == LAYOUT
     # Defaults stay off the wire, as protobuf leaves them.
-    plain = localwire.encode_acquire(model="", layout=Layout())
+    plain = localwire.encode_acquire(Wanted(Layout()))
     assert (
         plain
         == lpb.LocalRequest(

@@ -30,6 +30,14 @@ MAX_ADAPTER_FILES_BYTES: Final = (4 << 30) + (4 << 20)
 
 @dataclass(frozen=True)
 class AdapterStatus:
+    """One adapter version as the daemon holds it (``resolve_adapter``, ``AdminClient``).
+
+    ``digest`` is the version's digest over its two files (the one an operator pins);
+    ``base_model`` the served model it applies to; ``nbytes`` its weights' size;
+    ``pinned``: loaded by the operator, never evicted; ``leases``: fetches and workers
+    holding this version now; ``source_dir``: where the daemon read it.
+    """
+
     name: str
     version: int
     digest: str

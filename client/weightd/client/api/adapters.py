@@ -16,10 +16,10 @@ from weightd.common.watch import EventStream
 from weightd.v1 import weightd_pb2 as pb
 
 from ..base.errors import DataLossError, InvalidArgumentError, watch_failed
-from ..base.layout import Layout
+from ..base.request import Delivery, Wanted
 from ..receive.fetchwire import WireResponse
 from ..receive.stream import receive_all
-from ..transports.selection import FetchInfo, Transport
+from ..transports.selection import FetchInfo
 from .adapter_files import AdapterStatus, status_of
 
 __all__ = [
@@ -55,11 +55,17 @@ class AdapterWeights:
 
     @property
     def transport(self) -> str:
+        """What delivered the tensors: ``"grpc"``, ``"shm"`` or ``"cuda_ipc"``."""
         return self.info.transport if self.info is not None else "grpc"
 
 
 @dataclass(frozen=True)
 class AdapterEvent:
+    """One change of the daemon's adapters, as :class:`AdapterWatch` yields it: ``kind``
+    is ``"load"``, ``"replace"`` (a new version under the name) or ``"unload"``; the
+    version and digest are the one now served (the one gone, for an unload, whose
+    ``reason`` says ``"unloaded"`` or ``"evicted"``)."""
+
     kind: str  # "load" | "replace" | "unload"
     name: str
     version: int
@@ -88,50 +94,32 @@ def fetch_adapter(
 def fetch_adapter_via(
     target: str,
     stub: Any,
-    name: str,
-    rank: int,
-    world_size: int,
+    wanted: Wanted,
+    delivery: Delivery,
     *,
-    transport: Transport,
-    device: str | torch.device | None,
-    copy: bool,
-    verify: bool,
     timeout: float | None,
     chunk_bytes: int,
 ) -> AdapterWeights:
     """:func:`fetch_adapter` over the transport ``negotiated_fetch`` picks, like base fetches.
 
+    ``wanted.adapter`` names the adapter, ``wanted.layout`` the tensor-parallel rank.
     Over shared memory / CUDA IPC the tensors view the adapter version's pack, whose
     lease (held while any tensor lives, or until ``copy`` made private ones) also holds
     that version in the daemon: an unload or replace cannot free what a worker maps.
     """
     from ..transports.local_fetch import negotiated_fetch
 
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise InvalidArgumentError(
-            f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
-        )
-    if device is None:
-        device = "cuda" if transport == "cuda_ipc" else "cpu"
+    name, layout = wanted.adapter, wanted.layout
+    if delivery.streams != 1:
+        raise InvalidArgumentError(f"adapter {name!r}: an adapter is fetched on one stream")
     streamed: list[AdapterWeights] = []
 
     def grpc_fetch() -> dict[str, torch.Tensor]:
-        streamed.append(fetch_adapter(stub, name, rank, world_size, timeout, chunk_bytes))
-        return streamed[-1].tensors
+        got = fetch_adapter(stub, name, layout.tp_rank, layout.tp_size, timeout, chunk_bytes)
+        streamed.append(got)
+        return got.tensors
 
-    tensors, info = negotiated_fetch(
-        target,
-        transport,
-        grpc_fetch,
-        model="",
-        layout=Layout(tp_size=world_size, tp_rank=rank),
-        names=(),
-        device=torch.device(device),
-        copy=copy,
-        verify=verify,
-        timeout=timeout,
-        adapter=name,
-    )
+    tensors, info = negotiated_fetch(target, grpc_fetch, wanted, delivery, timeout=timeout)
     if info.transport == "grpc":
         got = streamed[-1]
         return AdapterWeights(

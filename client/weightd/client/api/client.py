@@ -21,6 +21,8 @@ returns; a tensor whose digest does not match is never handed out.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -29,8 +31,9 @@ from weightd.common.digests import SLICE_DIGEST_ALGORITHM
 
 from ..base.errors import InvalidArgumentError
 from ..base.layout import Layout
+from ..base.request import Delivery, DeliveryOptions, Wanted, tp_layout
 from ..receive.hashers import available_kinds, preferred_kind
-from ..transports.selection import FetchInfo, PackRef, Transport
+from ..transports.selection import FetchInfo, PackRef
 from .addresses import connect_target, from_call, said_plainly
 
 # torch (seconds to import) and the modules that make tensors load on the first call
@@ -41,6 +44,7 @@ from .addresses import connect_target, from_call, said_plainly
 if TYPE_CHECKING:
     import grpc
     import torch
+    from typing_extensions import Unpack
 
     from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
@@ -243,35 +247,25 @@ class WeightClient:
     # --- metadata --------------------------------------------------------------------
 
     def fetch_adapter(
-        self,
-        name: str,
-        rank: int,
-        world_size: int,
-        *,
-        transport: Transport = "auto",
-        device: str | torch.device | None = None,
-        copy: bool = False,
-        verify: bool = False,
+        self, name: str, rank: int, world_size: int, **delivery: Unpack[DeliveryOptions]
     ) -> AdapterWeights:
         """Rank ``rank``'s slices of the current version of adapter ``name``.
 
-        Transports, ``copy`` and ``verify`` as for :meth:`fetch` (``device=None``: the
-        CPU, or the current GPU for ``"cuda_ipc"``); the result names the version and
-        ``.transport``.
+        Delivery (``transport``, ``device``, ``copy``, ``verify``) as for :meth:`fetch`
+        (no ``device``: the CPU, or the current GPU for ``"cuda_ipc"``; an adapter comes
+        on one stream); the result names the version and ``.transport``.
         """
         from .adapters import fetch_adapter_via
 
+        if delivery.get("device") is None:  # absent, or None as this call always took
+            delivery["device"] = "cuda" if delivery.get("transport") == "cuda_ipc" else "cpu"
+        wanted = Wanted(tp_layout(rank, world_size), adapter=name)
         with said_plainly(self.target):
             return fetch_adapter_via(
                 self.target,
                 self._stub,
-                name,
-                rank,
-                world_size,
-                transport=transport,
-                device=device,
-                copy=copy,
-                verify=verify,
+                wanted,
+                self._delivery(delivery),
                 timeout=self.timeout,
                 chunk_bytes=self.chunk_bytes,
             )
@@ -394,39 +388,25 @@ class WeightClient:
         *,
         model: str | None = None,
         names: Iterable[str] | None = None,
-        device: str | torch.device = "cpu",
-        transport: Transport = "auto",
-        copy: bool = False,
-        verify: bool = False,
-        streams: int = 1,
+        **delivery: Unpack[DeliveryOptions],
     ) -> dict[str, torch.Tensor]:
         """This tensor-parallel rank's slice of every tensor (or of ``names``).
 
-        ``transport``: ``"auto"`` (CUDA IPC for a CUDA device on the daemon's host, shared
-        memory for a CPU fetch on its host, gRPC otherwise), or ``"grpc"``, ``"shm"``,
-        ``"cuda_ipc"`` to insist. Shared-memory and CUDA IPC tensors view one copy shared
-        by every process on the host; ``copy=True`` returns private tensors instead.
-        ``verify=True`` re-hashes shared packs (gRPC always checks digests). How the
-        fetch was served is in :attr:`last_fetch`, or use :meth:`fetch_with_info`.
-        Pipeline and expert layouts: :meth:`fetch_layout`. Raises a
-        :class:`~weightd.client.base.errors.WeightdError` subclass; a partial result is
+        How the tensors are delivered is :class:`~weightd.client.DeliveryOptions`:
+        ``transport`` (``"auto"``: CUDA IPC for a CUDA device on the daemon's host,
+        shared memory for a CPU fetch on its host, gRPC otherwise; or ``"grpc"``,
+        ``"shm"``, ``"cuda_ipc"`` to insist), ``device`` (default ``"cpu"``), ``copy``
+        (shared-memory and CUDA IPC tensors view one copy shared by every process on
+        the host; ``copy=True`` returns private tensors instead), ``verify`` (re-hash
+        shared packs; gRPC always checks digests) and ``streams`` (over gRPC, split the
+        rank's tensors into this many groups of about equal bytes, each fetched on its
+        own concurrent stream and connection, see :mod:`.streams`; 1 to 16; same-host
+        transports ignore it). How the fetch was served is in :attr:`last_fetch`, or
+        use :meth:`fetch_with_info`. Pipeline and expert layouts: :meth:`fetch_layout`.
+        Raises a :class:`~weightd.client.WeightdError` subclass; a partial result is
         never returned.
-
-        ``streams``: over gRPC, split the rank's tensors into this many groups of about
-        equal bytes, each fetched on its own concurrent stream and connection (see
-        :mod:`.streams`; 1 to 16). Same-host transports ignore it.
         """
-        state, _ = self.fetch_with_info(
-            rank,
-            world_size,
-            model=model,
-            names=names,
-            device=device,
-            transport=transport,
-            copy=copy,
-            verify=verify,
-            streams=streams,
-        )
+        state, _ = self.fetch_with_info(rank, world_size, model=model, names=names, **delivery)
         return state
 
     def fetch_with_info(
@@ -436,78 +416,42 @@ class WeightClient:
         *,
         model: str | None = None,
         names: Iterable[str] | None = None,
-        device: str | torch.device = "cpu",
-        transport: Transport = "auto",
-        copy: bool = False,
-        verify: bool = False,
-        streams: int = 1,
+        **delivery: Unpack[DeliveryOptions],
     ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
         """:meth:`fetch`, and how it was served (transport, reason, failures, pack)."""
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise InvalidArgumentError(
-                f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
-            )
-        return self._fetch_negotiated(
-            Layout(tp_size=world_size, tp_rank=rank),
-            model=model,
-            names=names,
-            device=device,
-            transport=transport,
-            copy=copy,
-            verify=verify,
-            streams=streams,
-        )
+        wanted = Wanted(tp_layout(rank, world_size), model or "", tuple(names or ()))
+        return self._fetch_negotiated(wanted, self._delivery(delivery))
+
+    def _delivery(
+        self, options: DeliveryOptions, into: Mapping[str, torch.Tensor] | None = None
+    ) -> Delivery:
+        """The delivery a call's keywords ask for, with this client's ``populate``."""
+        return Delivery.of(options, into=into, populate=self.populate)
 
     def _fetch_negotiated(
-        self,
-        layout: Layout,
-        *,
-        model: str | None,
-        names: Iterable[str] | None,
-        device: str | torch.device,
-        transport: Transport,
-        copy: bool,
-        verify: bool,
-        into: Mapping[str, torch.Tensor] | None = None,
-        streams: int = 1,
-        version: int = 0,
+        self, wanted: Wanted, delivery: Delivery
     ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
-        import torch
-
         from ..transports.local_fetch import negotiated_fetch
 
-        layout.check()  # here too: a negative number cannot even be encoded as uint32
+        wanted.layout.check()  # here too: a negative number cannot even be encoded as uint32
+        streams = delivery.streams
         if streams != 1:
             from ..transports.streams import MAX_STREAMS
 
             if not 1 <= streams <= MAX_STREAMS:
                 raise InvalidArgumentError(f"streams {streams} is invalid: need 1..{MAX_STREAMS}")
-        wanted = list(names or ())
 
         def grpc_fetch() -> dict[str, torch.Tensor]:
             if streams > 1:
-                return self._fetch_grpc_streams(layout, model, wanted, into, streams, version)
-            return self._fetch_grpc(layout, model=model, names=wanted, into=into, version=version)
+                return self._fetch_grpc_streams(wanted, delivery)
+            return self._fetch_grpc(wanted, into=delivery.into)
 
         def negotiate() -> tuple[dict[str, torch.Tensor], FetchInfo]:
-            return negotiated_fetch(
-                self.target,
-                transport,
-                grpc_fetch,
-                model=model or "",
-                layout=layout,
-                names=wanted,
-                device=torch.device(device),
-                copy=copy,
-                verify=verify,
-                timeout=self.timeout,
-                populate=self.populate,
-                version=version,
-            )
+            return negotiated_fetch(self.target, grpc_fetch, wanted, delivery, timeout=self.timeout)
 
         # The gRPC path retries (and resumes) by itself; only an explicit same-host
         # transport, which never falls back to gRPC, is retried as a whole.
-        local_only = transport in ("shm", "cuda_ipc")
+        local_only = delivery.transport in ("shm", "cuda_ipc")
         with said_plainly(self.target):
             state, info = self._retried(negotiate) if local_only else negotiate()
         self.last_fetch = info
@@ -519,32 +463,22 @@ class WeightClient:
         *,
         model: str | None = None,
         names: Iterable[str] | None = None,
-        device: str | torch.device = "cpu",
-        transport: Transport = "auto",
-        copy: bool = False,
-        verify: bool = False,
         version: int = 0,
+        **delivery: Unpack[DeliveryOptions],
     ) -> dict[str, torch.Tensor]:
         """Every tensor the worker at ``layout`` holds (or ``names``), sliced, digest-checked.
 
         A pipeline stage receives only its layers' tensors (and the embeddings, norm and
         head its position needs); an expert-parallel rank only its experts. Asking by
-        name for a tensor another worker holds is ``InvalidArgumentError``. Transports,
-        ``copy`` and ``verify`` as in :meth:`fetch`; how it was served is in
-        :attr:`last_fetch`. ``version``: that version of the model (``watch_versions``,
-        :meth:`hold_version`; 0: the current one); a version the daemon no longer holds
-        is ``NotFoundError``, and a daemon that predates versions is refused.
+        name for a tensor another worker holds is ``InvalidArgumentError``. Delivery
+        (``transport``, ``device``, ``copy``, ``verify``) as in :meth:`fetch`; ``streams``
+        needs a tensor-parallel layout; how it was served is in :attr:`last_fetch`.
+        ``version``: that version of the model (``watch_versions``, :meth:`hold_version`;
+        0: the current one); a version the daemon no longer holds is ``NotFoundError``,
+        and a daemon that predates versions is refused.
         """
-        state, _ = self._fetch_negotiated(
-            layout,
-            model=model,
-            names=names,
-            device=device,
-            transport=transport,
-            copy=copy,
-            verify=verify,
-            version=version,
-        )
+        wanted = Wanted(layout, model or "", tuple(names or ()), version)
+        state, _ = self._fetch_negotiated(wanted, self._delivery(delivery))
         return state
 
     def attach(
@@ -561,37 +495,23 @@ class WeightClient:
         Refused (FailedPreconditionError) when the daemon restarted since ``ref`` was
         granted: its handle would name memory that no longer exists.
         """
-        import torch
-
         from ..transports.local_fetch import attach_local
 
+        delivery = self._delivery({"device": device, "copy": copy, "verify": verify})
         state, info = attach_local(
-            self.target,
-            ref,
-            names=list(names or ()),
-            device=torch.device(device),
-            copy=copy,
-            verify=verify,
-            timeout=self.timeout,
-            populate=self.populate,
+            self.target, ref, list(names or ()), delivery, timeout=self.timeout
         )
         self.last_fetch = info
         return state, info
 
-    def _fetch_grpc_streams(
-        self,
-        layout: Layout,
-        model: str | None,
-        names: list[str],
-        into: Mapping[str, torch.Tensor] | None,
-        streams: int,
-        version: int = 0,
-    ) -> dict[str, torch.Tensor]:
-        """The layout's slices over ``streams`` concurrent Fetch streams (:mod:`.streams`).
+    def _fetch_grpc_streams(self, wanted: Wanted, delivery: Delivery) -> dict[str, torch.Tensor]:
+        """The layout's slices over ``delivery.streams`` concurrent Fetch streams
+        (:mod:`.streams`).
 
         The groups name their tensors, so the rank's tensor list comes from
         DescribeModel: every tensor of the checkpoint, for a tensor-parallel layout.
         """
+        layout, streams = wanted.layout, delivery.streams
         if layout.pp_size > 1 or layout.ep_size > 1:
             raise InvalidArgumentError(
                 f"streams {streams} needs a tensor-parallel layout; got {layout.describe()}"
@@ -599,84 +519,79 @@ class WeightClient:
         from ..transports.resumable import ResumeReport  # lazily, as everything that makes tensors
         from ..transports.streams import fetch_in_streams, merge_reports, split_by_bytes
 
-        described = {t.name: t.nbytes for t in self.describe(model, version=version).tensors}
-        wanted = names or list(described)
-        groups = split_by_bytes([(n, described.get(n, 0)) for n in wanted], streams)
+        model = wanted.model or None
+        described = {t.name: t.nbytes for t in self.describe(model, version=wanted.version).tensors}
+        names = list(wanted.names) or list(described)
+        groups = split_by_bytes([(n, described.get(n, 0)) for n in names], streams)
         reports = [ResumeReport() for _ in groups]
 
         def fetch_group(i: int, group: list[str], progress: ProgressFn) -> dict[str, torch.Tensor]:
             return self._fetch_grpc(
-                layout,
-                model=model,
-                names=group,
-                into=into,
+                dataclasses.replace(wanted, names=tuple(group)),
+                into=delivery.into,
                 stub=self._stream_stub(i),
                 report=reports[i],
                 on_tensor=progress,
-                version=version,
             )
 
         try:
             got = fetch_in_streams(groups, fetch_group, self.on_tensor)
         finally:
             self.last_resume = merge_reports(reports)
-        return {n: got[n] for n in wanted}
+        return {n: got[n] for n in names}
 
     def _fetch_grpc(
         self,
-        layout: Layout,
+        wanted: Wanted,
         *,
-        model: str | None = None,
-        names: Iterable[str] | None = None,
         into: Mapping[str, torch.Tensor] | None = None,
         stub: RawFetchStub | None = None,
         report: ResumeReport | None = None,
         on_tensor: ProgressFn | None = None,
-        version: int = 0,
     ) -> dict[str, torch.Tensor]:
-        """The layout's slices, streamed and digest-checked, on the CPU.
+        """The wanted slices, streamed and digest-checked, on the CPU.
 
-        Raises a :class:`~weightd.client.base.errors.WeightdError` subclass carrying the
-        daemon's status code and detail; a partial result is never returned.
+        Raises a :class:`~weightd.client.WeightdError` subclass carrying the daemon's
+        status code and detail; a partial result is never returned.
         """
         from weightd.v1 import weightd_pb2 as pb
 
+        from ..receive.stream import RankReceiver
         from ..transports.resumable import ResumeReport, fetch_resumable
 
         request = pb.FetchRequest(
-            model=model or "",
-            layout=layout.to_proto(),
-            names=list(names or ()),
+            model=wanted.model,
+            layout=wanted.layout.to_proto(),
+            names=list(wanted.names),
             max_chunk_bytes=self.chunk_bytes,
             # SHA-256 is what an empty field means: the request stays as it always was.
             slice_digest="" if self.slice_digest == SLICE_DIGEST_ALGORITHM else self.slice_digest,
-            version=version,
+            version=wanted.version,
         )
         if report is None:
             report = ResumeReport()
             self.last_resume = report
+        calls = stub or self._fetch_stub
         return fetch_resumable(
-            stub or self._fetch_stub,
+            functools.partial(calls.Fetch, timeout=self.timeout),
             request,
-            timeout=self.timeout,
+            RankReceiver.for_request(request, on_tensor or self.on_tensor, into),
             policy=self.retry,
             stats=self.retry_stats,
             report=report,
-            on_tensor=on_tensor or self.on_tensor,
-            into=into,
         )
 
     def load_into(
         self,
         module: torch.nn.Module,
+        /,
         rank: int,
         world_size: int,
         *,
         model: str | None = None,
         strict: bool = True,
-        transport: Transport = "auto",
         in_place: bool = True,
-        streams: int = 1,
+        **delivery: Unpack[DeliveryOptions],
     ) -> FetchInfo:
         """Fetch this rank's slices and load them into ``module``; how it was served.
 
@@ -690,26 +605,14 @@ class WeightClient:
         memory. The price: if the fetch fails, the module may be left partly
         overwritten. Pass ``in_place=False`` to reload a module that must stay intact
         on failure (the rank is then fetched whole first, then copied in). Same-host
-        transports map the shared pack and copy from it either way. ``streams`` as in
-        :meth:`fetch`.
+        transports map the shared pack and copy from it either way. Delivery
+        (``transport``, ``streams``, ...) as in :meth:`fetch`.
         """
         from .loading import apply_fetched
 
         targets = module.state_dict()  # detached views of its parameters and buffers
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise InvalidArgumentError(
-                f"rank {rank} / world_size {world_size} is invalid: need 0 <= rank < world_size"
-            )
-        state, info = self._fetch_negotiated(
-            Layout(tp_size=world_size, tp_rank=rank),
-            model=model,
-            names=None,
-            device="cpu",
-            transport=transport,
-            copy=False,
-            verify=False,
-            into=targets if in_place else None,
-            streams=streams,
-        )
+        wanted = Wanted(tp_layout(rank, world_size), model or "")
+        into = targets if in_place else None
+        state, info = self._fetch_negotiated(wanted, self._delivery(delivery, into))
         apply_fetched(module, state, targets, strict=strict, source=self.target)
         return info

@@ -354,6 +354,13 @@ class PackPendingError(TransportUnavailable):
     daemon serves the same tensors over gRPC now, from its verified shards."""
 
 
+class AdapterLoadPending(UnavailableError):
+    """The daemon is loading the adapter on request (another caller's load, or every load
+    slot busy) and did not keep this caller waiting: the same request succeeds when
+    asked again shortly (a :class:`~weightd.client.RetryPolicy` with
+    ``reasons={"AdapterLoadPending"}`` does, and nothing else)."""
+
+
 class StaleGrant(FailedPreconditionError):
     """A pack reference from an earlier daemon run, or one that no longer exists: fetch
     again."""
@@ -376,6 +383,7 @@ REASONS: Final[dict[str, type[WeightdError]]] = {
     "ModelNotFound": ModelNotFound,
     "TensorNotFound": TensorNotFound,
     "AdapterNotFound": AdapterNotFound,
+    "AdapterLoadPending": AdapterLoadPending,
     "ModelNotReady": NotServing,
     "DaemonUnreachable": DaemonUnreachable,
     "WorkerOnly": WorkerOnly,

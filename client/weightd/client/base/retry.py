@@ -63,6 +63,9 @@ class RetryPolicy:
     max_attempts: int = 0
     #: Codes retried: a subset of :data:`RETRYABLE`.
     codes: frozenset[grpc.StatusCode] = field(default_factory=retryable)
+    #: Only refusals with one of these reasons (the daemon's error class, as
+    #: ``WeightdError.reason``); empty: any refusal with one of :attr:`codes`.
+    reasons: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not 0 < self.initial_backoff <= self.max_backoff:
@@ -82,6 +85,10 @@ class RetryPolicy:
                 f"codes {names} are never retried: only RESOURCE_EXHAUSTED and UNAVAILABLE "
                 "mean the same request can succeed later"
             )
+
+    def retries(self, error: WeightdError) -> bool:
+        """Whether this policy asks again after ``error``."""
+        return error.code in self.codes and (not self.reasons or error.reason in self.reasons)
 
     def delay(self, retry: int, rng: random.Random) -> float:
         """The wait before retry number ``retry`` (0-based): in ``[cap / 2, cap]``."""
@@ -128,7 +135,7 @@ def call_with_retry(
         try:
             return fn()
         except WeightdError as exc:
-            if exc.code not in policy.codes:
+            if not policy.retries(exc):
                 raise
             now = clock()
             if progress() != seen or window_start is None:

@@ -186,6 +186,23 @@ class RankReceiver:
     may leave some of them overwritten, with bytes that were not checked.
     """
 
+    @classmethod
+    def for_request(
+        cls,
+        request: pb.FetchRequest,
+        on_tensor: ProgressFn | None = None,
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> RankReceiver:
+        """A receiver for the streams of ``request``: the digest kind, ``vocab_pad`` and
+        version it asks for are what each stream must confirm."""
+        return cls(
+            on_tensor,
+            into,
+            asked=request.slice_digest,
+            vocab_pad=request.layout.vocab_pad,
+            version=request.version,
+        )
+
     def __init__(
         self,
         on_tensor: ProgressFn | None = None,

@@ -32,6 +32,7 @@ from weightd.common.cuda_driver import CudaDriver, CudaDriverError, canonical_uu
 from weightd.common.digests import slice_digest
 
 from ..base.errors import DataLossError, FailedPreconditionError, UnavailableError
+from ..base.request import Delivery
 from ..receive.hashers import new_hasher
 from .dlpack import KDL_CUDA, bytes_tensor
 from .local import LocalConnection
@@ -125,14 +126,11 @@ def _close(handle: bytes, conn: LocalConnection) -> None:
 
 
 def map_cuda_pack(
-    grant: Grant,
-    conn: LocalConnection,
-    *,
-    device: torch.device,
-    copy: bool,
-    verify: bool,
+    grant: Grant, conn: LocalConnection, delivery: Delivery
 ) -> dict[str, torch.Tensor]:
-    """Tensors for the grant's entries on ``device``. Takes ownership of ``conn`` (the lease)."""
+    """Tensors for the grant's entries on ``delivery.device``. Takes ownership of ``conn``
+    (the lease)."""
+    copy, verify, device = delivery.copy, delivery.verify, delivery.torch_device()
     try:
         want = device_uuid(device)
         if canonical_uuid(grant.gpu_uuid) != want:

@@ -15,6 +15,7 @@ from ..base.errors import (
     WeightdError,
 )
 from ..base.layout import Layout
+from ..base.request import Delivery, Wanted
 from ..receive.hashers import available_kinds
 from .local import LocalConnection, attach_request, pack_ref
 from .localwire import PLACEMENT_CUDA, PLACEMENT_HOST, Grant, encode_acquire
@@ -50,27 +51,21 @@ def _cuda_check(conn: LocalConnection, device: torch.device) -> str:
 
 def negotiated_fetch(
     target: str,
-    transport: str,
     grpc_fetch: Callable[[], dict[str, torch.Tensor]],
+    wanted: Wanted,
+    delivery: Delivery,
     *,
-    model: str,
-    layout: Layout,
-    names: Sequence[str],
-    device: torch.device,
-    copy: bool,
-    verify: bool,
     timeout: float | None,
-    adapter: str = "",
-    populate: bool | None = None,
-    version: int = 0,
 ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
-    """Try the candidate transports in order (see ``transports``); report every failure.
+    """Try the candidate transports for ``delivery.transport`` in order (see
+    ``selection``); report every failure.
 
-    ``adapter``: fetch the rank's pack of that LoRA adapter's current version instead
-    of the model's weights (``grpc_fetch`` then streams the adapter). ``populate``: map
-    a shared pack with every page resident (None: where the pack is in huge pages;
-    see :func:`.shm.map_host_pack`). ``version``: that model version (0: the current).
+    ``wanted.adapter``: the rank's pack of that LoRA adapter's current version instead
+    of the model's weights (``grpc_fetch`` then streams the adapter).
     """
+    transport = delivery.transport
+    device = delivery.torch_device()
+    layout = wanted.layout
     side = side_socket_path(target)
     try:
         order, reason = candidates(
@@ -89,22 +84,8 @@ def negotiated_fetch(
                     state = {n: t.to(device) for n, t in state.items()}
                 return state, FetchInfo("grpc", transport, reason, tuple(failures), copied=True)
             assert side is not None
-            state, ref = fetch_local(
-                side,
-                name,
-                model=model,
-                layout=layout,
-                names=names,
-                device=device,
-                copy=copy,
-                verify=verify,
-                timeout=timeout,
-                adapter=adapter,
-                populate=populate,
-                no_wait=transport == "auto",
-                version=version,
-            )
-            copied = copy or (name == "shm" and device.type != "cpu")
+            state, ref = fetch_local(side, name, wanted, delivery, timeout=timeout)
+            copied = delivery.copy or (name == "shm" and device.type != "cpu")
             return state, FetchInfo(name, transport, reason, tuple(failures), ref, copied)
         except NotApplicable as exc:
             if transport != "auto":
@@ -129,40 +110,31 @@ def negotiated_fetch(
 def fetch_local(
     path: str,
     transport: str,
+    wanted: Wanted,
+    delivery: Delivery,
     *,
-    model: str,
-    layout: Layout,
-    names: Sequence[str],
-    device: torch.device,
-    copy: bool,
-    verify: bool,
     timeout: float | None,
-    adapter: str = "",
-    populate: bool | None = None,
-    no_wait: bool = False,
-    version: int = 0,
 ) -> tuple[dict[str, torch.Tensor], PackRef]:
-    """One worker's tensors (of the model, or of ``adapter``) through "shm" or "cuda_ipc".
+    """One worker's tensors (of the model, or of ``wanted.adapter``) through ``transport``,
+    "shm" or "cuda_ipc".
 
-    ``no_wait``: a pack still being built raises :class:`.errors.PackPendingError` at
-    once instead of waiting for the build (``transport="auto"`` then uses gRPC).
+    When ``delivery.transport`` is ``"auto"``, a pack still being built raises
+    :class:`.errors.PackPendingError` at once instead of waiting for the build (gRPC
+    then serves the fetch).
     """
     conn = LocalConnection(path, transport, timeout)
+    version = wanted.version
     try:
         cuda = transport == "cuda_ipc"
         request = encode_acquire(
-            model=model,
-            layout=layout,
-            names=names,
+            wanted,
             placement=PLACEMENT_CUDA if cuda else PLACEMENT_HOST,
-            gpu_uuid=_cuda_check(conn, device) if cuda else "",
-            adapter=adapter,
+            gpu_uuid=_cuda_check(conn, delivery.torch_device()) if cuda else "",
             slice_digests=available_kinds(),
-            no_wait=no_wait,
-            version=version,
+            no_wait=delivery.transport == "auto",
         )
         grant, fds = conn.request(request, max_fds=1)
-        _check_granted_layout(grant, layout, transport)
+        _check_granted_layout(grant, wanted.layout, transport)
         if version and grant.version != version:
             # An old daemon serving whatever is current: the transport's failure, so
             # ``auto`` goes on to gRPC, whose stream says the same plainly.
@@ -174,7 +146,7 @@ def fetch_local(
     except BaseException:
         conn.close()
         raise
-    return _map(grant, fds, conn, device, copy, verify, populate), pack_ref(grant)
+    return _map(grant, fds, conn, delivery), pack_ref(grant)
 
 
 def _check_granted_layout(grant: Grant, layout: Layout, transport: str) -> None:
@@ -200,13 +172,10 @@ def _check_granted_layout(grant: Grant, layout: Layout, transport: str) -> None:
 def attach_local(
     target: str,
     ref: PackRef,
-    *,
     names: Sequence[str],
-    device: torch.device,
-    copy: bool,
-    verify: bool,
+    delivery: Delivery,
+    *,
     timeout: float | None,
-    populate: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], FetchInfo]:
     """A new lease on the pack ``ref`` names; refused if the daemon restarted since."""
     path = side_socket_path(target)
@@ -224,20 +193,14 @@ def attach_local(
     except BaseException:
         conn.close()
         raise
-    state = _map(grant, fds, conn, device, copy, verify, populate)
-    copied = copy or (transport == "shm" and device.type != "cpu")
+    state = _map(grant, fds, conn, delivery)
+    copied = delivery.copy or (transport == "shm" and delivery.torch_device().type != "cpu")
     reason = "attached to a granted pack"
     return state, FetchInfo(transport, transport, reason, (), pack_ref(grant), copied)
 
 
 def _map(
-    grant: Grant,
-    fds: list[int],
-    conn: LocalConnection,
-    device: torch.device,
-    copy: bool,
-    verify: bool,
-    populate: bool | None = None,
+    grant: Grant, fds: list[int], conn: LocalConnection, delivery: Delivery
 ) -> dict[str, torch.Tensor]:
     if grant.placement == PLACEMENT_CUDA:
         if fds:
@@ -247,12 +210,10 @@ def _map(
             raise FailedPreconditionError("a CUDA IPC grant came with a descriptor")
         from .cuda_ipc import map_cuda_pack
 
-        return map_cuda_pack(grant, conn, device=device, copy=copy, verify=verify)
+        return map_cuda_pack(grant, conn, delivery)
     if len(fds) != 1:
         conn.close()
         raise FailedPreconditionError(
             f"a shared-memory grant came with {len(fds)} descriptors, not 1", transport="shm"
         )
-    return map_host_pack(
-        grant, fds[0], conn, copy=copy, verify=verify, device=device, want_populate=populate
-    )
+    return map_host_pack(grant, fds[0], conn, delivery)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from ..base.layout import Layout
+from ..base.request import Wanted
 
 PLACEMENT_HOST: Final = 1
 PLACEMENT_CUDA: Final = 2
@@ -85,29 +86,27 @@ def _layout(layout: Layout) -> bytes:
 
 
 def encode_acquire(
+    wanted: Wanted,
     *,
-    model: str,
-    layout: Layout,
-    names: Sequence[str] = (),
     placement: int = PLACEMENT_HOST,
     gpu_uuid: str = "",
-    adapter: str = "",
     slice_digests: Sequence[str] = (),
     no_wait: bool = False,
-    version: int = 0,
 ) -> bytes:
-    """A ``LocalRequest`` holding one ``AcquirePack``."""
+    """A ``LocalRequest`` holding one ``AcquirePack`` for ``wanted``: ``placement`` and
+    ``gpu_uuid`` say where the pack goes, ``slice_digests`` the digest kinds this client
+    can check, ``no_wait`` that a pack still being built is refused at once."""
     body = b"".join(
         (
-            _text(1, model),
-            _bytes(2, _layout(layout)),
-            *(_bytes(3, n.encode()) for n in names),
+            _text(1, wanted.model),
+            _bytes(2, _layout(wanted.layout)),
+            *(_bytes(3, n.encode()) for n in wanted.names),
             _uint(4, placement),
             _text(5, gpu_uuid),
-            _text(6, adapter),
+            _text(6, wanted.adapter),
             *(_bytes(7, k.encode()) for k in slice_digests),
             _uint(8, int(no_wait)),
-            _uint(9, version),
+            _uint(9, wanted.version),
         )
     )
     return _bytes(1, body)

@@ -12,7 +12,7 @@ cost is in :class:`ResumeReport`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from weightd.v1 import weightd_pb2 as pb
 
 from ..base.errors import AbortedError, DigestMismatchError
 from ..base.retry import RetryPolicy, RetryStats, call_with_retry
-from ..receive.stream import ProgressFn, RankReceiver
+from ..receive.stream import RankReceiver
 
 
 @dataclass
@@ -39,27 +39,20 @@ class ResumeReport:
 
 
 def fetch_resumable(
-    stub: Any,
+    fetch: Callable[[pb.FetchRequest], Any],
     request: pb.FetchRequest,
+    receiver: RankReceiver,
     *,
-    timeout: float | None,
     policy: RetryPolicy | None,
     stats: RetryStats,
     report: ResumeReport,
-    on_tensor: ProgressFn | None = None,
-    into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of ``request``'s rank, digest-checked, resumed across failures.
 
-    ``into``: tensors to receive into where they fit (see :class:`RankReceiver`).
+    ``fetch``: one Fetch stream for a request (the stub's call, bounded by the
+    client's timeout); ``receiver``: where the tensors go (see
+    :meth:`RankReceiver.for_request`).
     """
-    receiver = RankReceiver(
-        on_tensor,
-        into,
-        asked=request.slice_digest,
-        vocab_pad=request.layout.vocab_pad,
-        version=request.version,
-    )
     #: Set after a digest mismatch: every later stream of this fetch asks for a re-hash.
     rehash = request.rehash
 
@@ -72,7 +65,7 @@ def fetch_resumable(
             ask.model_fingerprint = receiver.fingerprint
             report.resumed_at.append(receiver.next_index)
         report.streams += 1
-        receiver.consume(stub.Fetch(ask, timeout=timeout))
+        receiver.consume(fetch(ask))
 
     def attempt() -> None:
         nonlocal rehash

@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass
 from typing import Final, Literal
 
-Transport = Literal["auto", "grpc", "shm", "cuda_ipc"]
 TRANSPORTS: Final = ("auto", "grpc", "shm", "cuda_ipc")
 SIDE_SOCKET_SUFFIX: Final = ".local"
 

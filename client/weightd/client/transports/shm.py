@@ -56,6 +56,7 @@ from weightd.common.digests import slice_digest
 from weightd.common.hugemap import madvise, map_aligned
 
 from ..base.errors import DataLossError
+from ..base.request import Delivery
 from ..receive.dtypes import torch_dtype
 from ..receive.hashers import new_hasher
 from .local import LocalConnection
@@ -124,20 +125,15 @@ def check_sealed(fd: int, expected_size: int, pack_id: int) -> None:
 
 
 def map_host_pack(
-    grant: Grant,
-    fd: int,
-    conn: LocalConnection,
-    *,
-    copy: bool,
-    verify: bool,
-    device: torch.device,
-    want_populate: bool | None = None,
+    grant: Grant, fd: int, conn: LocalConnection, delivery: Delivery
 ) -> dict[str, torch.Tensor]:
     """Tensors for the grant's entries. Takes ownership of ``fd`` and of ``conn`` (the lease).
 
-    ``want_populate``: every page resident before returning (see the module's
+    ``delivery.populate``: every page resident before returning (see the module's
     docstring); None: exactly when the grant says the pack is in huge pages.
     """
+    copy, verify, device = delivery.copy, delivery.verify, delivery.torch_device()
+    want_populate = delivery.populate
     if want_populate is None:
         want_populate = grant.huge_pages
     try:

@@ -56,44 +56,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from weightd.client import (
-    DeadlineExceededError,
-    NotFoundError,
-    ResourceExhaustedError,
-    UnavailableError,
-    WeightClient,
-    WeightdError,
-)
-from weightd.client.api.adapter_files import AdapterStatus
-from weightd.common.again import asks_again
+from weightd.client import AdapterStatus, RetryPolicy, RetryStats, WeightClient, WeightdError
+from weightd.client.base.retry import call_with_retry
 from weightd.common.digests import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, adapter_digest
 
 from ..share.identity import compare
 from .options import ENV, LoRAOptions, parse_lora_options
+from .refusals import not_written, refused, unavailable
 
 log = logging.getLogger("vllm.weightd.lora")
 
 _PLAIN: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
 
 
-class AdapterUnavailable(Exception):
-    """An adapter a request named cannot be served; ``status`` is the HTTP status.
-
-    404: unknown (not loaded, not loadable on request); 400: refused (tampered, digest
-    mismatch, another base model, modules PEFT would not apply, not allowed, vLLM
-    refused it); 503: the daemon is unreachable or over its adapter budget.
-    The message names the adapter and the reason.
-    """
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 @dataclass(frozen=True)
-class Prepared:
-    """One version's private copy, ready for vLLM."""
+class AdapterCopy:
+    """One adapter version's private copy, verified and written, ready for vLLM to load.
+
+    Not the daemon's prepared packs: this is the API server's own directory of the
+    version's two files (see the module docstring).
+    """
 
     name: str
     version: int
@@ -105,25 +87,6 @@ class Prepared:
     def lora_name(self) -> str:
         """The name vLLM keys this version on (prefix cache, the batch's adapter set)."""
         return f"{self.name}@v{self.version}"
-
-
-def unavailable(name: str, target: str, exc: WeightdError) -> AdapterUnavailable:
-    """The HTTP status and message for a daemon's answer about adapter ``name`` (pure)."""
-    if isinstance(exc, NotFoundError):
-        return AdapterUnavailable(404, f"weightd adapter {name!r} not found: {exc.detail}")
-    if isinstance(exc, UnavailableError) and asks_again(exc.detail):
-        return AdapterUnavailable(
-            503, f"weightd adapter {name!r}: the daemon is still loading it: {exc.detail}"
-        )
-    if isinstance(exc, UnavailableError | DeadlineExceededError):
-        return AdapterUnavailable(
-            503, f"weightd adapter {name!r}: the daemon at {target} is unreachable: {exc.detail}"
-        )
-    if isinstance(exc, ResourceExhaustedError):
-        return AdapterUnavailable(
-            503, f"weightd adapter {name!r}: the daemon cannot hold it now: {exc.detail}"
-        )
-    return AdapterUnavailable(400, f"weightd adapter {name!r} refused: {exc.detail}")
 
 
 def _dir_name(name: str, version: int, digest: str) -> str:
@@ -147,25 +110,27 @@ class LoRAHub:
     _root: str | None = None
     _root_id: tuple[int, int] = (0, 0)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _ready: dict[tuple[str, int], Prepared] = field(default_factory=dict)
+    _ready: dict[tuple[str, int], AdapterCopy] = field(default_factory=dict)
     _retired: list[_Retired] = field(default_factory=list)
     #: Every private copy this hub made (path -> when, in this hub's order of
     #: preparation), retired ones included. Not the daemon's version numbers: a
     #: restarted daemon numbers its versions from 1 again.
     _paths: dict[str, int] = field(default_factory=dict)
     _seq: int = 0
-    _pending: dict[str, asyncio.Future[Prepared]] = field(default_factory=dict)
+    _pending: dict[str, asyncio.Future[AdapterCopy]] = field(default_factory=dict)
     #: vLLM's base model directory -> "" (it is the daemon's model) or why not.
     _bases: dict[str, str] = field(default_factory=dict)
+    #: What asking again while the daemon loads an adapter cost.
+    retry_stats: RetryStats = field(default_factory=RetryStats)
 
     # --- the one call ------------------------------------------------------------------
 
-    async def current(self, name: str, base_dir: str | None = None) -> Prepared:
+    async def current(self, name: str, base_dir: str | None = None) -> AdapterCopy:
         """The daemon's current version of ``name``, its private copy written.
 
         ``base_dir``: vLLM's base model directory, checked once to be the daemon's model
         (an adapter verified against another checkpoint must not be applied to it).
-        Raises :class:`AdapterUnavailable`. Callers that arrive while a call for the
+        Raises :class:`.AdapterUnavailable`. Callers that arrive while a call for the
         same name is in flight get that call's answer (one daemon round trip for all).
         """
         pending = self._pending.get(name)
@@ -175,7 +140,7 @@ class LoRAHub:
             pending.add_done_callback(lambda _: self._pending.pop(name, None))
         return await asyncio.shield(pending)
 
-    def _current(self, name: str, base_dir: str | None) -> Prepared:
+    def _current(self, name: str, base_dir: str | None) -> AdapterCopy:
         client = self._connect()
         o = self.options
         try:
@@ -189,33 +154,33 @@ class LoRAHub:
         except WeightdError as exc:
             raise unavailable(name, o.target, exc) from None
         except OSError as exc:
-            raise AdapterUnavailable(500, f"weightd adapter {name!r}: {exc}") from None
+            raise not_written(name, exc) from None
         started = time.monotonic()
         try:
             path = self._write(client, status)
         except WeightdError as exc:
             raise unavailable(name, o.target, exc) from None
         except OSError as exc:
-            raise AdapterUnavailable(
-                500, f"weightd adapter {name!r}: cannot write its private copy: {exc}"
-            ) from None
+            raise not_written(name, exc) from None
         return self._publish(status, path, time.monotonic() - started)
 
     def _resolve(self, client: WeightClient, name: str) -> AdapterStatus:
-        """ResolveAdapter, asked again (with backoff, within ``timeout``) while the daemon
-        says a load on request is in progress: it never keeps a caller waiting on one of
-        its threads for long."""
+        """ResolveAdapter, asked again (with the client's backoff, within ``timeout``)
+        while the daemon answers that a load on request is in progress
+        (``AdapterLoadPending``): it never keeps a caller waiting on one of its threads
+        for long. Any other refusal, an unreachable daemon's included, is raised at once."""
         o = self.options
-        deadline = time.monotonic() + o.timeout
-        wait = 0.02
-        while True:
-            try:
-                return client.resolve_adapter(name, model=o.model or None, load=o.load)
-            except UnavailableError as exc:
-                if not asks_again(exc.detail) or time.monotonic() + wait > deadline:
-                    raise
-            time.sleep(wait)
-            wait = min(wait * 2, 0.5)
+        pending = RetryPolicy(
+            initial_backoff=0.02,
+            max_backoff=0.5,
+            total_seconds=o.timeout,
+            reasons=frozenset({"AdapterLoadPending"}),
+        )
+        return call_with_retry(
+            lambda: client.resolve_adapter(name, model=o.model or None, load=o.load),
+            pending,
+            self.retry_stats,
+        )
 
     def _check_base(self, client: WeightClient, base_dir: str, name: str) -> None:
         """Refuse every adapter if vLLM's base model is not the daemon's (checked once).
@@ -237,7 +202,7 @@ class LoRAHub:
                     )
             self._bases[base_dir] = problem
         if problem:
-            raise AdapterUnavailable(400, f"weightd adapter {name!r} refused: {problem}")
+            raise refused(name, problem)
 
     # --- the private copies ------------------------------------------------------------
 
@@ -296,8 +261,8 @@ class LoRAHub:
             raise
         return final
 
-    def _publish(self, status: AdapterStatus, final: str, seconds: float) -> Prepared:
-        prepared = Prepared(status.name, status.version, status.digest, final, seconds)
+    def _publish(self, status: AdapterStatus, final: str, seconds: float) -> AdapterCopy:
+        prepared = AdapterCopy(status.name, status.version, status.digest, final, seconds)
         with self._lock:
             self._ready[(status.name, status.version)] = prepared
             self._seq += 1

@@ -5,7 +5,7 @@ way to add ASGI middleware to its API server). For each POST whose JSON body nam
 ``model`` that is neither a served base model nor an adapter vLLM was given some other
 way (``--lora-modules``), before vLLM handles the request:
 
-1. the daemon is asked for the adapter's current version (:mod:`.lora_hub`: loaded on
+1. the daemon is asked for the adapter's current version (:mod:`.hub`: loaded on
    request if its operator allows it; the files verified and copied privately);
 2. if vLLM does not already serve that version under the name, it is loaded into the
    engine with ``engine_client.add_lora`` (every worker loads it now, and a refusal is
@@ -44,9 +44,12 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from http import HTTPStatus
 from typing import Any, Final
 
-from .hub import AdapterUnavailable, Prepared, hub
+from ..errors import AdapterUnavailable
+from .hub import AdapterCopy, hub
+from .refusals import error_type, not_loaded
 
 log = logging.getLogger("vllm.weightd.lora")
 
@@ -57,12 +60,6 @@ Send = Callable[[Message], Awaitable[None]]
 
 #: Request bodies read to find their ``model``; longer ones go to vLLM uninspected.
 MAX_INSPECT_BYTES: Final = 16 << 20
-_TYPES: Final = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
 
 
 class WeightdLoRAMiddleware:
@@ -82,17 +79,17 @@ class WeightdLoRAMiddleware:
             try:
                 await ensure(models, name)
             except AdapterUnavailable as exc:
-                if not (exc.status == 404 and _others_may_resolve()):
+                if not _left_to_others(exc):
                     await _error(send, exc)
                     return
                 # Unknown to weightd: vLLM's other resolvers get their turn.
         await self.app(scope, _replay(body, more, receive), send)
 
 
-def _others_may_resolve() -> bool:
-    from .resolver import others_may_resolve
+def _left_to_others(exc: AdapterUnavailable) -> bool:
+    from .resolver import left_to_others  # imports vLLM's resolver registry
 
-    return others_may_resolve()
+    return left_to_others(exc)
 
 
 def _is_weightd_name(models: Any, name: str) -> bool:
@@ -110,7 +107,7 @@ async def ensure(models: Any, name: str) -> None:
     try:
         prepared = await h.current(name, getattr(models.model_config, "model", None))
     except AdapterUnavailable as exc:
-        if exc.status == 404:
+        if exc.status == HTTPStatus.NOT_FOUND:
             await _drop(models, name)
         raise
     held = models.lora_requests.get(name)
@@ -127,7 +124,7 @@ async def ensure(models: Any, name: str) -> None:
         await _install(models, prepared, held)
 
 
-async def _install(models: Any, prepared: Prepared, held: Any) -> None:
+async def _install(models: Any, prepared: AdapterCopy, held: Any) -> None:
     from vllm.lora.request import LoRARequest
 
     request = LoRARequest(
@@ -139,11 +136,7 @@ async def _install(models: Any, prepared: Prepared, held: Any) -> None:
     try:
         await models.engine_client.add_lora(request)
     except Exception as exc:
-        raise AdapterUnavailable(
-            400,
-            f"weightd adapter {prepared.name!r} version {prepared.version}: vLLM could not "
-            f"load it: {exc}",
-        ) from None
+        raise not_loaded(prepared.name, prepared.version, exc) from None
     models.lora_requests[prepared.name] = request
     if held is not None:
         hub().retire(held.lora_path)
@@ -217,7 +210,7 @@ async def _error(send: Send, exc: AdapterUnavailable) -> None:
         {
             "error": {
                 "message": sanitize_message(exc.message),
-                "type": _TYPES.get(exc.status, "BadRequestError"),
+                "type": error_type(exc.status),
                 "param": "model",
                 "code": exc.status,
             }

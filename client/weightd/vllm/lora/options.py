@@ -24,65 +24,54 @@ vLLM's.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
-from weightd.common.sockets import default_target
+from ..errors import SettingsError
+from ..settings import Settings
 
 ENV: Final = "WEIGHTD_LORA"
 _KEYS: Final = ("target", "model", "load", "dir", "retain_seconds", "timeout", "max_bytes")
-
-
-class LoRAOptionsError(ValueError):
-    """``WEIGHTD_LORA`` cannot be read; the message names the key."""
+#: The largest adapter accepted unless told: the daemon's own weights and config limits.
+MAX_BYTES: Final = (4 << 30) + (4 << 20)
 
 
 @dataclass(frozen=True)
 class LoRAOptions:
+    """weightd LoRA's options, read from ``WEIGHTD_LORA`` (the keys above)."""
+
     target: str
     model: str = ""
     load: bool = True
     dir: str = ""
     retain_seconds: float = 3600.0
     timeout: float = 60.0
-    max_bytes: int = (4 << 30) + (4 << 20)
-
-
-def _get(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
-    value = raw.get(key, default)
-    if isinstance(value, bool) and kind is not bool:
-        raise LoRAOptionsError(f"{ENV}[{key!r}] must not be a boolean, got {value!r}")
-    if not isinstance(value, kind):
-        raise LoRAOptionsError(f"{ENV}[{key!r}] has the wrong type: {value!r}")
-    return value
+    max_bytes: int = MAX_BYTES
 
 
 def parse_lora_options(text: str | None) -> LoRAOptions:
-    """The options from ``WEIGHTD_LORA``'s text (None or empty: every default)."""
+    """The options from ``WEIGHTD_LORA``'s text (None or empty: every default).
+
+    Read with weightd's one settings reader (``settings.py``), as the loader's and an
+    update's are; a mistake is a :class:`~weightd.vllm.errors.SettingsError`.
+    """
     text = (text or "").strip()
     if not text.startswith("{"):
-        return LoRAOptions(target=default_target() if text in ("", "default") else text)
+        bare = {"target": None if text in ("", "default") else text}
+        return LoRAOptions(target=Settings.of(ENV, bare, _KEYS).target())
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise LoRAOptionsError(f"{ENV} is not valid JSON: {exc}") from None
+        raise SettingsError(f"{ENV} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
-        raise LoRAOptionsError(f"{ENV} must be a target or a JSON object")
-    unknown = sorted(set(raw) - set(_KEYS))
-    if unknown:
-        raise LoRAOptionsError(f"{ENV} has unknown key(s) {unknown}; known keys: {list(_KEYS)}")
-    options = LoRAOptions(
-        target=_get(raw, "target", str, "") or default_target(),
-        model=_get(raw, "model", str, ""),
-        load=_get(raw, "load", bool, True),
-        dir=_get(raw, "dir", str, ""),
-        retain_seconds=float(_get(raw, "retain_seconds", (int, float), 3600.0)),
-        timeout=float(_get(raw, "timeout", (int, float), 60.0)),
-        max_bytes=_get(raw, "max_bytes", int, (4 << 30) + (4 << 20)),
+        raise SettingsError(f"{ENV} must be a target or a JSON object")
+    s = Settings.of(ENV, raw, _KEYS)
+    return LoRAOptions(
+        target=s.target(),
+        model=s.text("model") or "",
+        load=s.flag("load", True),
+        dir=s.text("dir") or "",
+        retain_seconds=s.seconds("retain_seconds", 3600.0, zero=True, most=None),
+        timeout=s.seconds("timeout", 60.0),
+        max_bytes=s.count("max_bytes", MAX_BYTES),
     )
-    if options.timeout <= 0 or options.retain_seconds < 0 or options.max_bytes <= 0:
-        raise LoRAOptionsError(
-            f"{ENV}: timeout and max_bytes must be positive, retain_seconds not negative"
-        )
-    return options

@@ -27,13 +27,15 @@ from vllm.exceptions import GracefulHTTPError
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
 
-from .hub import AdapterUnavailable, hub
+from ..errors import AdapterUnavailable, WeightdVLLMError
+from .hub import hub
 
 RESOLVER_NAME = "weightd"
 
 
-class WeightdLoRAError(GracefulHTTPError):  # type: ignore[misc]  # vLLM: untyped here
-    """An adapter weightd cannot serve, as the HTTP error vLLM sends the client."""
+class WeightdLoRAError(GracefulHTTPError, WeightdVLLMError):  # type: ignore[misc]  # vLLM: untyped here
+    """An adapter weightd cannot serve (:class:`~weightd.vllm.errors.AdapterUnavailable`),
+    as the HTTP error vLLM sends the client."""
 
 
 class WeightdLoRAResolver(LoRAResolver):  # type: ignore[misc]
@@ -41,11 +43,17 @@ class WeightdLoRAResolver(LoRAResolver):  # type: ignore[misc]
         try:
             prepared = await hub().current(lora_name, base_model_name)
         except AdapterUnavailable as exc:
-            if exc.status == HTTPStatus.NOT_FOUND and others_may_resolve():
+            if left_to_others(exc):
                 return None
-            raise WeightdLoRAError(exc.message, HTTPStatus(exc.status)) from None
+            raise WeightdLoRAError(exc.message, exc.status) from None
         # vLLM sets lora_int_id itself (its own counter) before loading it.
         return LoRARequest(lora_name=prepared.lora_name, lora_int_id=1, lora_path=prepared.path)
+
+
+def left_to_others(exc: AdapterUnavailable) -> bool:
+    """Whether a request weightd refused goes on to vLLM's other resolvers instead: an
+    adapter weightd does not know, when vLLM has others that may (both doors ask this)."""
+    return exc.status == HTTPStatus.NOT_FOUND and others_may_resolve()
 
 
 def others_may_resolve() -> bool:

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightd.client import Layout, ModelDescription, WeightClient
-from weightd.client.transports.selection import Transport
+from weightd.client import Layout, ModelDescription, Transport, WeightClient
 
 from .presharded import mark
 from .vocab import fetch_rows, vllm_vocab_rows, vocab_share

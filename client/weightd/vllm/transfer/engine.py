@@ -68,11 +68,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightd.client import ModelDescription, WeightClient, WeightdError
-from weightd.client.transports.selection import Transport
+from weightd.client import ModelDescription, Transport, WeightClient, WeightdError
 from weightd.common.sockets import default_target
 
 from ..errors import WeightdLoadError, WeightdUpdateError
+from ..settings import Settings
 from ..share.fetch import LoadReport, Weights, fetch_share
 from ..share.placement import worker_layout
 from ..share.presharded import (
@@ -90,9 +90,20 @@ log = logging.getLogger("vllm.weightd")
 DEFAULT_TIMEOUT = 300.0
 #: Added to the timeout for the hold's TTL: it must outlive the slowest rank's fetch.
 HOLD_MARGIN = 60.0
-_TRANSPORTS = ("auto", "grpc", "shm")
+_TRANSPORTS: tuple[str, ...] = ("auto", "grpc", "shm")
 
 __all__ = ["WeightdUpdateError", "WeightdWeightTransferEngine"]
+
+
+def _check(where: str, info: WeightdInitInfo | WeightdUpdateInfo) -> None:
+    """The keys an engine's and an update's info share, by weightd's one settings rule."""
+    keys = ("model", "target", "transport", "timeout")
+    s = Settings(where, {key: getattr(info, key) for key in keys})
+    s.text("model")
+    if info.target is not None:
+        s.target()
+    s.choice("transport", _TRANSPORTS, "auto")
+    s.seconds("timeout")
 
 
 @dataclass
@@ -103,6 +114,9 @@ class WeightdInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     model: str | None = None
     transport: str = "auto"
     timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        _check("init_info", self)
 
 
 @dataclass
@@ -125,17 +139,10 @@ class WeightdUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     verify: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.version, bool) or not isinstance(self.version, int):
-            raise ValueError(f"update_info['version'] must be an integer, got {self.version!r}")
-        if self.version < 1:
-            raise ValueError(
-                "update_info['version'] must name a version the daemon serves (>= 1: "
-                "WatchVersions, `weightd list`), not the moving 'current' one"
-            )
-        if self.transport is not None and self.transport not in _TRANSPORTS:
-            raise ValueError(
-                f"update_info['transport'] is {self.transport!r}; expected one of {_TRANSPORTS}"
-            )
+        s = Settings("update_info", {"version": self.version, "verify": self.verify})
+        s.version()
+        s.flag("verify", False)
+        _check("update_info", self)
 
 
 @dataclass
@@ -229,11 +236,7 @@ class WeightdWeightTransferEngine(
         self._holder = f"vllm-{getattr(self.vllm_config, 'instance_id', '') or 'engine'}"
 
     def init_transfer_engine(self, init_info: WeightdInitInfo) -> None:
-        if init_info.transport not in _TRANSPORTS:
-            raise ValueError(
-                f"init_info['transport'] is {init_info.transport!r}; expected one of {_TRANSPORTS}"
-            )
-        self.defaults = init_info
+        self.defaults = init_info  # checked as it was made (``_check``)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: each update stages aside, then applies in one step."""

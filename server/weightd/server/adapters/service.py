@@ -19,8 +19,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Final
 
-from weightd.common.again import ASK_AGAIN
-
 from ..base.cleanup import release_frames
 from ..base.errors import (
     AdapterBaseMismatch,
@@ -56,6 +54,9 @@ from .load import (
 from .plan import AdapterSlicePlan, plan_adapter
 from .registry import AdapterEvent, AdapterRegistry, AdapterVersion
 
+#: What an ``AdapterLoadPending`` refusal tells a person; clients act on its reason
+#: (the error's class), never on these words.
+ASK_AGAIN: Final = "ask again shortly"
 MAX_ADAPTER_NAME_BYTES: Final = 256
 #: Longest a ResolveAdapter waits on a server thread for another call's load.
 AUTOLOAD_WAIT_SECONDS: Final = 2.0
