@@ -121,6 +121,7 @@ _VLLM = "needs a vLLM engine (minutes to start); not run here"
 _S3 = "needs an S3-compatible store (SeaweedFS) and its credentials"
 _ENV = "changes the reader's Python environment"
 _SYNOPSIS = "a synopsis ([optional] parts, placeholders), not a command"
+_OMS = "tests/trust/test_oms_docs.py::test_sign_with_model_signing_serve_with_weightd"
 
 #: How each command of the pages runs, or why it does not.
 PLAN: dict[str, str | Skip] = {
@@ -226,8 +227,20 @@ PLAN: dict[str, str | Skip] = {
         "with a generated PKI on 127.0.0.1",
         "tests/ops/test_tls_e2e.py",
     ),
-    "weightd verify DIR [--manifest M --trust-key K.pub] [--trust-hf-cache] [--json]": Skip(
+    "weightd verify DIR [--manifest M --trust-key K.pub] [--signature S (--trust-key K.pub | "
+    "--trust-chain CA.pem)] \\\n                   [--trust-hf-cache] [--json]": Skip(
         _SYNOPSIS, "tests/docs/test_examples.py::test_sign_and_verify_script"
+    ),
+    'pip install ".[signing]"': Skip(_ENV),
+    # OpenSSF Model Signing: the same commands, in the example script the guide follows
+    "model_signing sign key DIR --private_key signing.pem --signature model.sig": Skip(
+        _SYNOPSIS + " (DIR); the same command", _OMS
+    ),
+    "weightd verify DIR --signature model.sig --trust-key signing.pub": Skip(
+        _SYNOPSIS + " (DIR); the same command", _OMS
+    ),
+    "weightd serve --model NAME=DIR --signature NAME=model.sig --trust-key signing.pub": Skip(
+        _SYNOPSIS + " (NAME, DIR); the same command", _OMS
     ),
     "weightd manifest keygen --out-private K --out-public K.pub": OFFLINE,
     "weightd manifest create DIR [-o FILE] [--sign-key K]": Skip(

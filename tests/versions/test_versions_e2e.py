@@ -237,7 +237,7 @@ def test_cli_publish(daemon: RunningDaemon, versions: dict[str, Path]) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("published m version 2 from ")
     listed = subprocess.run(weightd_command("list", daemon.target), capture_output=True, text=True)
-    assert listed.stdout.rstrip("\n").endswith("\tready\tversion 2"), listed.stdout
+    assert "\tready\tversion 2\ttrust " in listed.stdout, listed.stdout
     bad = subprocess.run(
         weightd_command(
             "publish", str(versions["v3"]), "--model", "x", "--admin", daemon.address("admin")
