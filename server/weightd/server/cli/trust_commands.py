@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from ..base.errors import CheckpointError, UsageError, WeightdError
@@ -224,14 +225,7 @@ def run_manifest(args: argparse.Namespace) -> int:
     )
     try:
         if not v.ok or v.checkpoint is None:
-            for p in v.problems:
-                print(f"weightd manifest: problem: {p}", file=sys.stderr)
-            print(
-                f"weightd manifest: error: {args.directory} does not verify "
-                f"({len(v.problems)} problems); no manifest written",
-                file=sys.stderr,
-            )
-            return 1
+            return _does_not_verify(args.directory, v.problems, "manifest")
         body = build_body(v.checkpoint, v.files, v.tensor_digests)
     finally:
         v.store.close()
@@ -245,6 +239,18 @@ def run_manifest(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _does_not_verify(directory: str, problems: Sequence[object], what: str) -> int:
+    """Each problem on a line of its own, then the one-line refusal: exit status 1."""
+    for p in problems:
+        print(f"weightd manifest: problem: {p}", file=sys.stderr)
+    print(
+        f"weightd manifest: error: {directory} does not verify "
+        f"({len(problems)} problems); no {what} written",
+        file=sys.stderr,
+    )
+    return 1
 
 
 # --- the OMS form ----------------------------------------------------------------------
@@ -263,14 +269,7 @@ def _create_oms(args: argparse.Namespace) -> int:
     v = verify_checkpoint(args.directory, None, VerifyOptions(threads=args.hash_threads))
     v.store.close()
     if not v.ok:
-        for p in v.problems:
-            print(f"weightd manifest: problem: {p}", file=sys.stderr)
-        print(
-            f"weightd manifest: error: {args.directory} does not verify "
-            f"({len(v.problems)} problems); no signature written",
-            file=sys.stderr,
-        )
-        return 1
+        return _does_not_verify(args.directory, v.problems, "signature")
     try:
         import model_signing
     except ImportError:
