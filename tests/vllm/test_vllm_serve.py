@@ -161,7 +161,7 @@ def test_vllm_serve_with_weightd_generates_the_default_loaders_tokens(
     log = server.log()
     # weightd's loader ran in the worker, over the daemon's shared packs.
     assert "weightd: Loading weights took " in log
-    assert "tp 0/1, over shm)" in log
+    assert "tp 0/1, over shm; proven by the digests computed at load)" in log
     assert "weightd FALLBACK" not in log
 
 
