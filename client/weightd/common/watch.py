@@ -16,11 +16,13 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Generic, Protocol, Self, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 E = TypeVar("E")
 M = TypeVar("M")
 M_co = TypeVar("M_co", covariant=True)
+#: ``typing.Self`` is Python 3.11+; the package supports 3.10.
+S = TypeVar("S", bound="EventStream[Any, Any]")
 
 
 class EventQueue(Generic[E]):
@@ -122,7 +124,7 @@ class EventStream(Generic[M, E]):
                 raise
             raise error from None
 
-    def __enter__(self) -> Self:
+    def __enter__(self: S) -> S:
         return self
 
     def __exit__(self, *exc: object) -> None:
