@@ -223,9 +223,11 @@ def test_a_peer_that_is_not_grpc_is_said_plainly(tmp_path: Path) -> None:
     threading.Thread(target=answer, daemon=True).start()
     try:
         started = time.monotonic()
-        with WeightClient(str(path), timeout=10) as client, pytest.raises(ce.NotWeightd) as info:
+        with WeightClient(str(path), timeout=120) as client, pytest.raises(ce.NotWeightd) as info:
             client.list_models()
-        assert time.monotonic() - started < 2
+        # Said when the peer answers, not when the call's deadline ends: far below it
+        # even on a loaded host (a fixed 2 s failed once there while tests ran beside it).
+        assert time.monotonic() - started < 30
         assert "not a weightd daemon" in str(info.value) and "\n" not in str(info.value)
     finally:
         listener.close()
