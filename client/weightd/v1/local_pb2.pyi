@@ -234,24 +234,34 @@ class LocalRequest(_message.Message):
     ACQUIRE_FIELD_NUMBER: _builtins.int
     ATTACH_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
+    PUBLISH_FIELD_NUMBER: _builtins.int
+    PUBLISH_MEMFD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def acquire(self) -> Global___AcquirePack: ...
     @_builtins.property
     def attach(self) -> Global___AttachPack: ...
     @_builtins.property
     def stats(self) -> Global___PackStatsRequest: ...
+    @_builtins.property
+    def publish(self) -> Global___PublishTensors:
+        """Publishing from a trainer's memory (fields 20-29): the admin side socket only."""
+
+    @_builtins.property
+    def publish_memfd(self) -> Global___PublishMemfd: ...
     def __init__(
         self,
         *,
         acquire: Global___AcquirePack | None = ...,
         attach: Global___AttachPack | None = ...,
         stats: Global___PackStatsRequest | None = ...,
+        publish: Global___PublishTensors | None = ...,
+        publish_memfd: Global___PublishMemfd | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "request", b"request", "stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "publish", b"publish", "publish_memfd", b"publish_memfd", "request", b"request", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "request", b"request", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "publish", b"publish", "publish_memfd", b"publish_memfd", "request", b"request", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["acquire", "attach", "stats"]  # noqa: Y015
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["acquire", "attach", "stats", "publish", "publish_memfd"]  # noqa: Y015
     _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
 
@@ -559,25 +569,115 @@ class LocalResponse(_message.Message):
     GRANT_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PUBLISH_READY_FIELD_NUMBER: _builtins.int
+    PUBLISHED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def grant(self) -> Global___PackGrant: ...
     @_builtins.property
     def stats(self) -> Global___LocalStats: ...
     @_builtins.property
     def error(self) -> Global___LocalError: ...
+    @_builtins.property
+    def publish_ready(self) -> Global___PublishReady:
+        """Publishing from a trainer's memory (fields 20-29)."""
+
+    @_builtins.property
+    def published(self) -> _weightd_pb2.PublishResponse: ...
     def __init__(
         self,
         *,
         grant: Global___PackGrant | None = ...,
         stats: Global___LocalStats | None = ...,
         error: Global___LocalError | None = ...,
+        publish_ready: Global___PublishReady | None = ...,
+        published: _weightd_pb2.PublishResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "grant", b"grant", "response", b"response", "stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "grant", b"grant", "publish_ready", b"publish_ready", "published", b"published", "response", b"response", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "grant", b"grant", "response", b"response", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "grant", b"grant", "publish_ready", b"publish_ready", "published", b"published", "response", b"response", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_response: _TypeAlias = _typing.Literal["grant", "stats", "error"]  # noqa: Y015
+    _WhichOneofReturnType_response: _TypeAlias = _typing.Literal["grant", "stats", "error", "publish_ready", "published"]  # noqa: Y015
     _WhichOneofArgType_response: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_response) -> _WhichOneofReturnType_response | None: ...
 
 Global___LocalResponse: _TypeAlias = LocalResponse  # noqa: Y015
+
+@_typing.final
+class PublishTensors(_message.Message):
+    """--- Publishing a trainer's tensors from memory (the admin side socket) -------------
+
+    "<admin socket path>.local", beside the admin socket (0600, or 0660 with group
+    access, like it). The worker side socket answers `publish` with PermissionDenied.
+    One publish per connection:
+      daemon -> LocalHello
+      client -> LocalRequest{publish}          (no descriptor: the model and the size)
+      daemon -> LocalResponse{publish_ready}   (or error: unknown model, too big, ...)
+      client -> LocalRequest{publish_memfd}    with exactly ONE memfd as SCM_RIGHTS:
+                one safetensors file (8-byte header length, JSON header, data), sealed
+                with F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE
+      daemon -> LocalResponse{published}       (or error) once the version is published
+    The client keeps the connection open until the answer: the daemon checks just
+    before committing that it still is, and publishes nothing for a trainer gone.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    NBYTES_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """a served model's name; empty: the daemon's only model"""
+    nbytes: _builtins.int
+    """the memfd's size"""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        nbytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "nbytes", b"nbytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishTensors: _TypeAlias = PublishTensors  # noqa: Y015
+
+@_typing.final
+class PublishMemfd(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NBYTES_FIELD_NUMBER: _builtins.int
+    nbytes: _builtins.int
+    """the memfd's size again (as announced)"""
+    def __init__(
+        self,
+        *,
+        nbytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nbytes", b"nbytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishMemfd: _TypeAlias = PublishMemfd  # noqa: Y015
+
+@_typing.final
+class PublishReady(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    max_bytes: _builtins.int
+    """the most bytes a version of the model may hold"""
+    def __init__(
+        self,
+        *,
+        max_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_bytes", b"max_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishReady: _TypeAlias = PublishReady  # noqa: Y015

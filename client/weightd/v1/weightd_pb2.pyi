@@ -1121,6 +1121,36 @@ class PublishResponse(_message.Message):
 Global___PublishResponse: _TypeAlias = PublishResponse  # noqa: Y015
 
 @_typing.final
+class PublishTensorsChunk(_message.Message):
+    """--- PublishTensors (publishing from a trainer's memory) ---------------------------"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """first chunk: a served model's name (empty: the only one)"""
+    total_bytes: _builtins.int
+    """first chunk: the file's size, every chunk's data in all"""
+    data: _builtins.bytes
+    """the file's next bytes, at most 4 MiB"""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        total_bytes: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "model", b"model", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishTensorsChunk: _TypeAlias = PublishTensorsChunk  # noqa: Y015
+
+@_typing.final
 class LoadAdapterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -569,6 +569,11 @@ class AdminStub:
                 request_serializer=weightd_dot_v1_dot_weightd__pb2.PublishRequest.SerializeToString,
                 response_deserializer=weightd_dot_v1_dot_weightd__pb2.PublishResponse.FromString,
                 _registered_method=True)
+        self.PublishTensors = channel.stream_unary(
+                '/weightd.v1.Admin/PublishTensors',
+                request_serializer=weightd_dot_v1_dot_weightd__pb2.PublishTensorsChunk.SerializeToString,
+                response_deserializer=weightd_dot_v1_dot_weightd__pb2.PublishResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -631,6 +636,19 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishTensors(self, request_iterator, context):
+        """Publishes a trainer's tensors sent over the stream (from another host, or where the
+        admin listener is TCP): one safetensors file's bytes in chunks of at most 4 MiB,
+        at most the serving version's size in all. The daemon writes them into a memfd
+        it seals, then checks and publishes them as the same-host memory path does
+        (docs/guides/rl-weight-updates.md): the same names, shapes and dtypes as the
+        serving version, hashed once, packs built, published only when ready. A stream
+        that breaks publishes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -667,6 +685,11 @@ def add_AdminServicer_to_server(servicer, server):
             'Publish': grpc.unary_unary_rpc_method_handler(
                     servicer.Publish,
                     request_deserializer=weightd_dot_v1_dot_weightd__pb2.PublishRequest.FromString,
+                    response_serializer=weightd_dot_v1_dot_weightd__pb2.PublishResponse.SerializeToString,
+            ),
+            'PublishTensors': grpc.stream_unary_rpc_method_handler(
+                    servicer.PublishTensors,
+                    request_deserializer=weightd_dot_v1_dot_weightd__pb2.PublishTensorsChunk.FromString,
                     response_serializer=weightd_dot_v1_dot_weightd__pb2.PublishResponse.SerializeToString,
             ),
     }
@@ -861,6 +884,33 @@ class Admin:
             target,
             '/weightd.v1.Admin/Publish',
             weightd_dot_v1_dot_weightd__pb2.PublishRequest.SerializeToString,
+            weightd_dot_v1_dot_weightd__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishTensors(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/weightd.v1.Admin/PublishTensors',
+            weightd_dot_v1_dot_weightd__pb2.PublishTensorsChunk.SerializeToString,
             weightd_dot_v1_dot_weightd__pb2.PublishResponse.FromString,
             options,
             channel_credentials,

@@ -288,6 +288,15 @@ class AdminStub:
     (WatchVersions: READY). The model keeps the new source for later reloads. On any
     failure nothing changes and the call fails with the reason.
     """
+    PublishTensors: _grpc.StreamUnaryMultiCallable[_weightd_pb2.PublishTensorsChunk, _weightd_pb2.PublishResponse]
+    """Publishes a trainer's tensors sent over the stream (from another host, or where the
+    admin listener is TCP): one safetensors file's bytes in chunks of at most 4 MiB,
+    at most the serving version's size in all. The daemon writes them into a memfd
+    it seals, then checks and publishes them as the same-host memory path does
+    (docs/guides/rl-weight-updates.md): the same names, shapes and dtypes as the
+    serving version, hashed once, packs built, published only when ready. A stream
+    that breaks publishes nothing.
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -318,6 +327,15 @@ class AdminAsyncStub(AdminStub):
     daemon requires one), the packs of the layouts in use built, then published
     (WatchVersions: READY). The model keeps the new source for later reloads. On any
     failure nothing changes and the call fails with the reason.
+    """
+    PublishTensors: _aio.StreamUnaryMultiCallable[_weightd_pb2.PublishTensorsChunk, _weightd_pb2.PublishResponse]  # type: ignore[assignment]
+    """Publishes a trainer's tensors sent over the stream (from another host, or where the
+    admin listener is TCP): one safetensors file's bytes in chunks of at most 4 MiB,
+    at most the serving version's size in all. The daemon writes them into a memfd
+    it seals, then checks and publishes them as the same-host memory path does
+    (docs/guides/rl-weight-updates.md): the same names, shapes and dtypes as the
+    serving version, hashed once, packs built, published only when ready. A stream
+    that breaks publishes nothing.
     """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
@@ -388,6 +406,21 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         daemon requires one), the packs of the layouts in use built, then published
         (WatchVersions: READY). The model keeps the new source for later reloads. On any
         failure nothing changes and the call fails with the reason.
+        """
+
+    @_abc_1.abstractmethod
+    def PublishTensors(
+        self,
+        request_iterator: _MaybeAsyncIterator[_weightd_pb2.PublishTensorsChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightd_pb2.PublishResponse, _abc.Awaitable[_weightd_pb2.PublishResponse]]:
+        """Publishes a trainer's tensors sent over the stream (from another host, or where the
+        admin listener is TCP): one safetensors file's bytes in chunks of at most 4 MiB,
+        at most the serving version's size in all. The daemon writes them into a memfd
+        it seals, then checks and publishes them as the same-host memory path does
+        (docs/guides/rl-weight-updates.md): the same names, shapes and dtypes as the
+        serving version, hashed once, packs built, published only when ready. A stream
+        that breaks publishes nothing.
         """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -6,6 +6,8 @@ daemon's 0700 socket directory, or TCP with mutual TLS and an allowed client ide
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +17,10 @@ from weightd.common.sockets import default_admin_path
 from weightd.v1 import weightd_pb2 as pb
 from weightd.v1 import weightd_pb2_grpc as pb_grpc
 
+from ..base.errors import InvalidArgumentError
 from .adapter_files import AdapterStatus, status_of
-from .addresses import connect_target, from_call
+from .addresses import connect_target, from_call, unix_path
+from .publishing import SIDE_SUFFIX, chunks_of, memfd_of, publish_fd, raw_tensors
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,21 @@ class Published:
     verify_seconds: float
     prepare_seconds: float
     packs_built: int
+
+
+def _published(r: pb.PublishResponse) -> Published:
+    v = r.version
+    return Published(
+        v.model,
+        v.version,
+        v.model_fingerprint,
+        v.source,
+        v.num_tensors,
+        v.total_bytes,
+        r.verify_seconds,
+        r.prepare_seconds,
+        r.packs_built,
+    )
 
 
 class AdminClient:
@@ -82,19 +101,49 @@ class AdminClient:
         the layouts in use built, then announced READY on ``WatchVersions``. On failure
         nothing changes and the daemon's reason is raised."""
         request = pb.PublishRequest(model=model or "", source=source, manifest=manifest or "")
-        r = self._call(self._stub.Publish, request)
-        v = r.version
-        return Published(
-            v.model,
-            v.version,
-            v.model_fingerprint,
-            v.source,
-            v.num_tensors,
-            v.total_bytes,
-            r.verify_seconds,
-            r.prepare_seconds,
-            r.packs_built,
-        )
+        return _published(self._call(self._stub.Publish, request))
+
+    def publish_tensors(
+        self,
+        tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        model: str | None = None,
+        transport: str = "auto",
+    ) -> Published:
+        """Publish a trainer's tensors (Hugging Face names → torch tensors, or
+        :class:`~.publishing.RawTensor`) as ``model``'s next version, with no checkpoint
+        on disk; returns the new version (``.version``).
+
+        ``transport``: ``"shm"`` hands a sealed memfd to the admin side socket (the
+        daemon's host, a Unix admin socket); ``"grpc"`` streams the bytes over
+        ``PublishTensors`` (another host, or a TCP admin listener); ``"auto"`` takes shm
+        where the admin side socket exists. The daemon refuses tensors whose names,
+        shapes or dtypes differ from the serving version's
+        (:class:`~weightd.client.base.errors.InvalidArgumentError` naming the tensor,
+        what it got and what was expected); the serving version keeps serving.
+        """
+        if transport not in ("auto", "shm", "grpc"):
+            raise InvalidArgumentError(f"transport {transport!r} is not auto, shm or grpc")
+        raws = raw_tensors(tensors)
+        path = unix_path(self.target)
+        side = path + SIDE_SUFFIX if path is not None else None
+        if transport == "shm" and side is None:
+            raise InvalidArgumentError(
+                f"transport shm needs a Unix admin socket; {self.target} is not one"
+            )
+        if transport == "shm" or (transport == "auto" and side and os.path.exists(side)):
+            assert side is not None
+            fd, size = memfd_of(raws)
+            try:
+                r = publish_fd(side, fd, size, model or "", self.timeout)
+            finally:
+                os.close(fd)
+        else:
+            try:
+                r = self._stub.PublishTensors(chunks_of(raws, model or ""), timeout=self.timeout)
+            except grpc.RpcError as exc:
+                raise from_call(exc, self.target) from None
+        return _published(r)
 
     def load_adapter(
         self,

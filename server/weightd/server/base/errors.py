@@ -380,6 +380,34 @@ class RequestPathError(InvalidRequest):
     caller's mistake, refused before anything is opened."""
 
 
+class PublishRefused(InvalidRequest):
+    """A trainer's in-memory publish that the daemon refuses before anything is built:
+    its tensors do not match the serving version (``tensor``, ``got``, ``expected``
+    name which and how), or its hand-over breaks a rule (an unsealed or oversized
+    region, a descriptor too many)."""
+
+
+class PublishAborted(WeightdError):
+    """The trainer went away (its connection closed, its stream broke) before the
+    version was committed: nothing was published."""
+
+    code = Code.CANCELLED
+
+
+class MemoryPublishUntrusted(WeightdError):
+    """A trainer's in-memory publish where the operator requires every version to be
+    proved by a manifest, a signature or the Hugging Face cache (memory carries none)."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class NoSourceToReload(WeightdError):
+    """A reload of a model whose serving version came from a trainer's memory: there
+    are no files to re-read, and reverting to older weights silently would be wrong."""
+
+    code = Code.FAILED_PRECONDITION
+
+
 class ShardingError(WeightdError):
     """The model cannot be split the way the request asks (a dimension not divisible)."""
 

@@ -134,7 +134,28 @@ def add_parsers(sub: Any) -> None:
         help="serve a new checkpoint (a directory or s3:// prefix) as a model's next version "
         "(admin listener only)",
     )
-    p.add_argument("source", help="an absolute checkpoint directory or an s3:// prefix")
+    p.add_argument(
+        "source",
+        nargs="?",
+        default=None,
+        help="an absolute checkpoint directory or an s3:// prefix",
+    )
+    p.add_argument(
+        "--tensors",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="instead of a source: read these safetensors files into memory and publish "
+        "their tensors from memory (the daemon's host: a sealed memfd; else gRPC), as a "
+        "trainer's publish_tensors does; nothing is written to disk",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("auto", "shm", "grpc"),
+        default="auto",
+        help="with --tensors: how the bytes reach the daemon (default: shm where the "
+        "admin side socket exists)",
+    )
     p.add_argument("--model", default=None, help="the served model (default: the only one)")
     p.add_argument(
         "--target",
@@ -317,17 +338,57 @@ def run_publish(args: argparse.Namespace) -> int:
     from weightd.client import AdminClient
 
     creds = _credentials(args)
-    source = args.source
-    if "://" not in source:
-        source = os.path.abspath(source)  # the daemon refuses relative paths
-    with AdminClient(_target(args, admin=True), timeout=args.timeout, credentials=creds) as client:
-        r = client.publish(source, model=args.model, manifest=args.manifest)
+    if (args.source is None) == (args.tensors is None):
+        raise UsageError("weightd publish takes a source or --tensors FILE..., not both")
+    target = _target(args, admin=True)
+    if args.tensors is not None:
+        if args.manifest is not None:
+            raise UsageError("--manifest names a checkpoint's files; --tensors has none")
+        tensors = read_tensor_files(args.tensors)
+        with AdminClient(target, timeout=args.timeout, credentials=creds) as client:
+            r = client.publish_tensors(tensors, model=args.model, transport=args.transport)
+    else:
+        source = args.source
+        if "://" not in source:
+            source = os.path.abspath(source)  # the daemon refuses relative paths
+        with AdminClient(target, timeout=args.timeout, credentials=creds) as client:
+            r = client.publish(source, model=args.model, manifest=args.manifest)
     print(
         f"published {r.model} version {r.version} from {r.source}: {r.num_tensors} tensors, "
         f"{r.total_bytes} bytes verified in {r.verify_seconds:.2f}s, {r.packs_built} packs "
         f"prepared in {r.prepare_seconds:.2f}s"
     )
     return 0
+
+
+def read_tensor_files(paths: list[str]) -> list[tuple[str, Any]]:
+    """Every tensor of the safetensors ``paths`` as ``(name, RawTensor)``, read into
+    memory (each file's data once) and parsed with the daemon's strict header parser."""
+    import os
+
+    from weightd.client.api.publishing import RawTensor
+
+    from ..base.errors import CheckpointError
+    from ..checkpoint.header import header_length, parse_header
+
+    out: list[tuple[str, Any]] = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                length = header_length(path, f.read(8), size)
+                header = parse_header(path, f.read(length), size)
+                data = bytearray(size - header.data_start)
+                if f.readinto(data) != len(data):
+                    raise UsageError(f"{path} changed while it was read")
+        except OSError as exc:
+            raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+        except CheckpointError as exc:
+            raise UsageError(str(exc)) from None
+        view = memoryview(data)
+        for e in header.entries:
+            out.append((e.name, RawTensor(e.dtype, e.shape, view[e.begin : e.end])))
+    return out
 
 
 def run_reload(args: argparse.Namespace) -> int:

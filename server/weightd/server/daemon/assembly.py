@@ -39,6 +39,7 @@ from ..transports.local_server import LocalObserver, LocalServer, start_local_se
 from ..transports.local_service import PackService
 from ..transports.options import check_config
 from ..transports.prebuild import LayoutPrebuilder
+from ..transports.publish_socket import PublishSocket, start_publish_socket
 from ..trust.verify import VerifyOptions
 from . import lifecycle, listeners
 from .addresses import Address, parse_address, prepare_unix_socket, settle_address
@@ -107,6 +108,8 @@ class Daemon:
     metrics_registry: CollectorRegistry | None = None
     #: Model versions: holds, the watch stream, Publish (``daemon/versioning.py``).
     versions: Versions | None = None
+    #: The admin side socket (``<admin socket>.local``): a trainer's publish from memory.
+    publishing: PublishSocket | None = None
 
     @property
     def target(self) -> str:
@@ -158,6 +161,8 @@ class Daemon:
             self.prebuilder.close()
         if self.versions is not None:
             self.versions.close()
+        if self.publishing is not None:
+            self.publishing.close()
         if self.local is not None:
             self.local.close()  # and its packs
         elif self.packs is not None:
@@ -253,6 +258,7 @@ def _start_admin(
     tls: TlsMaterial | None,
 ) -> None:
     """The admin listener (Reload, Publish, adapters), bound."""
+    group = False
     if admin_address.kind == "unix":
         shared = os.path.dirname(admin_address.path) == os.path.dirname(daemon.address.path)
         group = config.socket_group_access and shared
@@ -269,6 +275,9 @@ def _start_admin(
         daemon.versions,
     )
     daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
+    publisher = daemon.versions.publisher
+    if admin_address.kind == "unix" and publisher is not None:
+        daemon.publishing = start_publish_socket(admin_address.path, publisher, group=group)
 
 
 def _start_health(

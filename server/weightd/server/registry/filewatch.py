@@ -128,6 +128,8 @@ class ShardWatcher:
                 log.exception("file watch of model %s failed", model.name)
 
     def check(self, model: LoadedModel) -> None:
+        if model.from_memory:
+            return  # a sealed memfd: nothing on disk to watch, and it cannot change
         known = self._seen.get(id(model))
         if known is not None and known[0]() is model:
             seen = known[1]

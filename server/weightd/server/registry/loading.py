@@ -23,6 +23,7 @@ from ..base.errors import (
     InvalidRequest,
     ModelNotFound,
     ModelNotReady,
+    NoSourceToReload,
     ReloadTimedOut,
     WeightdError,
     echo,
@@ -33,6 +34,7 @@ from ..sources.resolver import SourceResolver
 from ..telemetry import logs
 from ..telemetry.metrics import Metrics, failure_reason
 from ..trust.verify import VerifyOptions
+from .memory import is_memory_source
 from .models import LoadedModel, ModelRegistry, load_model
 
 log = logging.getLogger("weightd")
@@ -313,6 +315,14 @@ class Reloader:
             name = model.name
             directory = self._sources.get(name, model.checkpoint.root)
             tables = model.tables
+        if is_memory_source(directory):
+            raise NoSourceToReload(
+                f"model {name!r}: its serving version was published from a trainer's memory "
+                "and has no files to re-read (reloading older weights from disk instead "
+                "would go back silently); the current version keeps serving. Publish a "
+                "directory (weightd publish) to have the model follow one again",
+                model=name,
+            )
         return load_source(
             directory, name, self._metrics, tables, self._options, self._resolver, cancel
         )

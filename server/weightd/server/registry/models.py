@@ -63,6 +63,9 @@ class LoadedModel:
     #: Its version number among the model's versions (``registry.versions``), set when
     #: it is published; 0 before.
     version: int = 0
+    #: Published from a trainer's memory (a sealed memfd, :mod:`.memory`): no file on
+    #: disk backs it, so the file watcher leaves it alone and a reload refuses it.
+    from_memory: bool = False
 
     @property
     def name(self) -> str:

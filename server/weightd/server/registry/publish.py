@@ -16,6 +16,10 @@ reload lock (a reload and a publish of one model never interleave):
 
 The model then follows the new source (a later reload re-reads it). On any failure
 nothing is published and the model keeps serving what it served.
+
+A trainer may also hand over its tensors in memory (:meth:`Publisher.publish_memory`,
+:mod:`.memory`): step 1 is then the checks of a sealed region against the serving
+version and one hash pass over it; steps 2 and 3 are the same.
 """
 
 from __future__ import annotations
@@ -24,15 +28,22 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..base.cleanup import on_error
-from ..base.errors import RequestPathError
+from ..base.errors import ModelNotReady, RequestPathError
 from ..sources.location import is_remote
 from ..telemetry import logs
 from ..trust.verify import VerifyOptions
 from .loading import Reloader, load_observed, load_source, publish_source
+from .memory import (
+    check_trust,
+    memory_root,
+    region_from_chunks,
+    size_limit,
+    version_from_memory,
+)
 from .models import LoadedModel
 
 log = logging.getLogger("weightd")
@@ -91,13 +102,95 @@ class Publisher:
             check_source(manifest, "manifest")
         reloader = self._reloader
         name, current = reloader.current_model(name)
+
+        def load() -> tuple[LoadedModel, float]:
+            return self._load(name, current, source, manifest)
+
+        return self._publish(name, source, load)
+
+    def publish_memory(
+        self, name: str, fd: int, still_wanted: Callable[[], None] = lambda: None
+    ) -> Published:
+        """Publish the tensors in the sealed memfd ``fd`` (a trainer's, or one the daemon
+        filled from its gRPC stream) as ``name``'s next version (:mod:`.memory`).
+
+        Takes ``fd`` over (closed on every failure; the version's once published).
+        ``still_wanted()`` runs just before the commit and raises (:class:`PublishAborted`)
+        when the trainer is gone: a version its trainer did not see accepted is never
+        published. A later reload of the model is refused (:class:`NoSourceToReload`):
+        there are no files to re-read, and the older weights on disk must not quietly
+        come back; publishing a directory makes the model follow it again.
+        """
+        reloader = self._reloader
+        try:
+            name, current = reloader.current_model(name)
+            if current is None:
+                raise ModelNotReady(
+                    f"model {name!r} serves no version (its load failed): a publish from "
+                    "memory needs a serving version to check the tensors against; publish "
+                    "a directory first",
+                    model=name,
+                )
+            check_trust(reloader.options, name)
+        except BaseException:
+            os.close(fd)
+            raise
+        serving = current
+
+        def load() -> tuple[LoadedModel, float]:
+            started = time.monotonic()
+            threads = reloader.options.threads if reloader.options is not None else None
+            new = version_from_memory(fd, serving, threads)
+            return new, time.monotonic() - started
+
+        return self._publish(name, memory_root(name), load, still_wanted)
+
+    def memory_limit(self, name: str) -> tuple[str, int]:
+        """The model ``name`` names (empty: the only one) and the most bytes a region
+        holding its next version may have (:func:`.memory.size_limit`)."""
+        name, current = self._reloader.current_model(name)
+        if current is None:
+            raise ModelNotReady(
+                f"model {name!r} serves no version (its load failed): a publish from memory "
+                "needs a serving version to check the tensors against; publish a directory",
+                model=name,
+            )
+        return name, size_limit(current)
+
+    def publish_chunks(
+        self,
+        name: str,
+        total: int,
+        chunks: Iterator[bytes],
+        still_wanted: Callable[[], None] = lambda: None,
+    ) -> Published:
+        """:meth:`publish_memory` of a region the daemon fills from ``chunks`` (the
+        PublishTensors stream) and seals itself; a stream that breaks publishes nothing."""
+        name, limit = self.memory_limit(name)
+        check_trust(self._reloader.options, name)
+        fd = region_from_chunks(total, limit, chunks)
+        return self.publish_memory(name, fd, still_wanted)
+
+    def _publish(
+        self,
+        name: str,
+        source: str,
+        load: Callable[[], tuple[LoadedModel, float]],
+        still_wanted: Callable[[], None] = lambda: None,
+    ) -> Published:
+        """Verify (``load``), prepare and publish under ``name``'s reload lock; on any
+        failure the version is discarded and the serving one untouched."""
+        reloader = self._reloader
         started = time.monotonic()
         with reloader.exclusive(name):
             try:
-                new, seconds = self._load(name, current, source, manifest)
+                new, seconds = load()
                 with on_error(lambda: self._discard(new), f"the version of {name} from {source}"):
                     prepared = self.prepare_version(new)
-                    publish_source(reloader.registry, new, reloader.resolver)
+                    still_wanted()
+                    publish_source(
+                        reloader.registry, new, None if new.from_memory else reloader.resolver
+                    )
             except Exception as exc:
                 logs.event(
                     "publish",
@@ -128,7 +221,7 @@ class Publisher:
         """A verified version that will not be published: its files closed, and its
         downloaded copy (an ``s3://`` source) no longer kept."""
         new.store.close()
-        if self._reloader.resolver is not None:
+        if self._reloader.resolver is not None and not new.from_memory:
             self._reloader.resolver.reject(new.checkpoint.root)
 
     def _load(

@@ -9,6 +9,7 @@ The worker listener answers Admin methods with PERMISSION_DENIED (:class:`~.guar
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from concurrent import futures
 from typing import Final
 
@@ -25,7 +26,7 @@ from .interceptors import Handler, RpcObserver
 from .peers import SMALL_LISTENER_CONNECTIONS, SMALL_LISTENER_IDLE_SECONDS, connection_options
 from .requests import RequestGuard
 from .status import abort, unary
-from .versions import Versions
+from .versions import MAX_PUBLISH_CHUNK_BYTES, Versions
 from .wire import WEIGHTS_SERVICE
 
 log = logging.getLogger("weightd.admin")
@@ -104,6 +105,14 @@ class AdminService(pb_grpc.AdminServicer):
             raise InvalidRequest("this daemon publishes no versions")
         return self._versions.publish(request)
 
+    @unary
+    def PublishTensors(
+        self, request_iterator: Iterator[pb.PublishTensorsChunk], context: grpc.ServicerContext
+    ) -> pb.PublishResponse:
+        if self._versions is None:
+            raise InvalidRequest("this daemon publishes no versions")
+        return self._versions.publish_tensors(request_iterator, context)
+
 
 def create_admin_server(
     reloader: Reloader,
@@ -127,7 +136,8 @@ def create_admin_server(
         interceptors=[*interceptors, AdminAuthorizer(allowed)],
         options=[
             ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", 64 << 10),
+            # PublishTensors' chunks (4 MiB of data at most); at most 4 calls at once.
+            ("grpc.max_receive_message_length", MAX_PUBLISH_CHUNK_BYTES + (64 << 10)),
             *connection_options(SMALL_LISTENER_CONNECTIONS, SMALL_LISTENER_IDLE_SECONDS),
         ],
         maximum_concurrent_rpcs=4,

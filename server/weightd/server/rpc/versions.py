@@ -16,11 +16,14 @@ import grpc
 
 from weightd.v1 import weightd_pb2 as pb
 
-from ..base.errors import InvalidRequest
+from ..base.errors import InvalidRequest, PublishAborted
 from ..weights.models import ModelVersions, Published, Publisher, VersionEvent, VersionInfo
 from .peers import client_of
 from .watches import watch_stream
 
+#: The most data bytes one PublishTensors chunk carries (gRPC's message limit is set
+#: to this plus room for the rest of the message on the admin listener).
+MAX_PUBLISH_CHUNK_BYTES: Final = 4 << 20
 _KINDS: Final = {"ready": pb.VersionEvent.READY, "dropped": pb.VersionEvent.DROPPED}
 
 
@@ -82,6 +85,48 @@ class Versions:
         if self.publisher is None:
             raise InvalidRequest("this daemon publishes no versions")
         return published_pb(self.publisher.publish(request.model, request.source, request.manifest))
+
+    def publish_tensors(
+        self, chunks: Iterator[pb.PublishTensorsChunk], context: grpc.ServicerContext
+    ) -> pb.PublishResponse:
+        """PublishTensors: the first chunk names the model and the size; the bytes go
+        into a memfd the daemon seals (:meth:`Publisher.publish_chunks`). A stream that
+        breaks, or a caller gone before the commit, publishes nothing."""
+        if self.publisher is None:
+            raise InvalidRequest("this daemon publishes no versions")
+        try:
+            first = next(chunks, None)
+        except grpc.RpcError:
+            raise PublishAborted("the PublishTensors stream broke before its first chunk") from None
+        if first is None:
+            raise InvalidRequest("PublishTensors: the stream sent no chunk")
+
+        def data() -> Iterator[bytes]:
+            yield first.data
+            try:
+                for chunk in chunks:
+                    if chunk.model or chunk.total_bytes:
+                        raise InvalidRequest(
+                            "PublishTensors: only the first chunk names the model and the size"
+                        )
+                    yield chunk.data
+            except grpc.RpcError:
+                raise PublishAborted(
+                    "the PublishTensors stream broke before all its bytes arrived: nothing "
+                    "was published"
+                ) from None
+
+        def still_wanted() -> None:
+            if not context.is_active():
+                raise PublishAborted(
+                    "the PublishTensors caller went away before the version was committed: "
+                    "nothing was published"
+                )
+
+        published = self.publisher.publish_chunks(
+            first.model, first.total_bytes, data(), still_wanted
+        )
+        return published_pb(published)
 
     def watch(
         self, request: pb.WatchVersionsRequest, context: grpc.ServicerContext

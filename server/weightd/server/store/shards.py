@@ -152,6 +152,18 @@ class ShardStore:
             self._shards[name] = shard
             return shard
 
+    @classmethod
+    def of_descriptor(cls, root: str, name: str, fd: int) -> ShardStore:
+        """A store of one shard already open as ``fd`` (a sealed memfd a trainer handed
+        over: :mod:`weightd.server.registry.memory`); the store owns ``fd`` from now on
+        and closes it with the store."""
+        store = cls(root)
+        st = os.fstat(fd)
+        path = os.path.join(root, name)
+        store._shards[name] = OpenShard(name, path, fd, FileIdentity.of(st), path)
+        store._opening = False
+        return store
+
     def finish_opening(self) -> None:
         """Every shard is open: let go of the directory (its descriptor is not needed
         to read them, and a model should hold only its shards' descriptors)."""

@@ -43,6 +43,7 @@ from ..base.bounds import check_fields
 from ..base.cleanup import release_frames
 from ..base.errors import (
     AdapterNotFound,
+    AdminOnly,
     Code,
     DataIntegrityError,
     LocalProtocolError,
@@ -230,6 +231,11 @@ class PackService:
                 return self._attach(request.attach)
             if which == "stats":
                 return Outcome(lpb.LocalResponse(stats=self.stats()), [])
+            if which in ("publish", "publish_memfd"):
+                raise AdminOnly(
+                    "publishing from memory is an admin request: this is the worker side "
+                    "socket; send it to the admin side socket (<admin socket>.local)"
+                )
             raise LocalProtocolError(f"request {which or '(empty)'} is not one this daemon knows")
         except Exception as exc:
             return Outcome(lpb.LocalResponse(error=local_error(exc, which or "request")), [])
