@@ -17,7 +17,10 @@ One scenario, run once by a module fixture because engine starts are expensive h
 5. the TP=2 engine is asked to take other content on each rank (another version
    number on rank 1; one number meaning other bytes on two daemons), then the same
    content from two daemons;
-6. two fresh engines (TP=1, TP=2) are started on v2 from disk, for reference.
+6. two fresh engines (TP=1, TP=2) are started on v2 from disk, for reference;
+7. (before 6, engines still up) a trainer *process* publishes v2's tensors from its
+   memory (``publish_tensors``: a sealed memfd, no checkpoint written) and both engines
+   update to that version.
 
 Every step records each worker's digests of what it computes with (parameters,
 buffers, and the weights inside each CPU GEMM), greedy tokens and logprobs, and after
@@ -32,6 +35,8 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,6 +186,54 @@ def _mixed_content(
     return rec
 
 
+#: A trainer: v2's tensors in its memory (read once, as a training step leaves them),
+#: published through the admin side socket's sealed memfd; prints the version number.
+_TRAINER = """
+import sys
+from pathlib import Path
+from safetensors.torch import load_file
+from weightd.client import AdminClient
+tensors = {}
+for shard in sorted(Path(sys.argv[1]).glob("*.safetensors")):
+    tensors.update(load_file(shard))
+with AdminClient(sys.argv[2], timeout=300) as admin:
+    print(admin.publish_tensors(tensors, model="m", transport="shm").version)
+"""
+
+
+def _from_memory(
+    engines: dict[int, EngineProcess],
+    admin: AdminClient,
+    ckpts: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Record:
+    """Step 7: a trainer process publishes from memory; both engines update to it, and
+    are compared with a fresh model built from a directory holding the same tensors
+    (written here only for that reference) and with the fresh v2 engines."""
+    from safetensors.torch import load_file, save_file
+
+    admin.publish(str(ckpts["v1"]), model="m")  # the serving shapes: v1's, not wide's
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRAINER, str(ckpts["v2"]), admin.target],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    version = int(proc.stdout.strip())
+    reference = tmp_path_factory.mktemp("trainer-reference")
+    tensors = {}
+    for shard in sorted(ckpts["v2"].glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    save_file(tensors, reference / "model.safetensors")
+    shutil.copy(ckpts["v2"] / "config.json", reference / "config.json")
+    return {
+        "version": version,
+        "update": _update_both(engines, version),
+        "after": {tp: _snapshot(e, reference) for tp, e in engines.items()},
+    }
+
+
 @pytest.fixture(scope="module")
 def scenario(
     vllm_python: Path, ckpts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
@@ -282,6 +335,8 @@ def scenario(
                 "after": {tp: _snapshot(e) for tp, e in engines.items()},
             }
             steps["mixed"] = _mixed_content(engines[2], ckpts, tmp_path_factory)
+            # 7. a trainer process publishes v2's tensors from its memory; both update
+            steps["memory"] = _from_memory(engines, admin, ckpts, tmp_path_factory)
         finally:
             for e in engines.values():
                 e.close()
@@ -512,3 +567,22 @@ def test_ranks_sent_to_other_content_are_refused_and_the_same_content_from_two_d
     same = mixed["same"]
     assert same.get("ok"), same
     assert _same_weights(same["after"]["state"], same["after"]["reference"]) == []
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_a_trainer_publishing_from_memory_moves_engines_to_a_fresh_engines_weights(
+    scenario: Record, tp: int
+) -> None:
+    """Every parameter equals a fresh model's built from a directory holding the
+    trainer's tensors, and tokens and parameters equal the fresh engine's on v2 (the
+    same tensors on disk)."""
+    steps = scenario["steps"]
+    memory = steps["memory"]
+    assert memory["update"][tp].get("ok"), memory["update"][tp]
+    after = memory["after"][tp]
+    assert after["version"] == str(memory["version"])
+    assert _same_weights(after["state"], after["reference"]) == []
+    fresh = steps["fresh_v2"][tp]
+    assert _same_weights(after["state"], fresh["state"]) == []
+    assert after["tokens"] == fresh["tokens"]
+    assert after["logprobs"] == fresh["logprobs"]
