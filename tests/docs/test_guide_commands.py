@@ -207,6 +207,11 @@ PLAN: dict[str, str | Skip] = {
     # RL weight updates
     "weightd serve --model llama=/ckpt/step-0": SERVE,
     "weightd publish /ckpt/step-1000 --model llama": CLIENT,
+    "weightd publish --tensors /tmp/step-1000/model-00001-of-00002.safetensors "
+    "/tmp/step-1000/model-00002-of-00002.safetensors --model llama": Skip(
+        "the trainer's files; the same command line on a test checkpoint's shards",
+        "tests/publish/test_publish_memory.py::test_cli_publishes_tensors_from_files",
+    ),
     "VLLM_SERVER_DEV_MODE=1 vllm serve /ckpt/step-0 --tensor-parallel-size 2 \\\n"
     '  --weight-transfer-config \'{"backend": "weightd"}\'': Skip(
         _VLLM + "; the same update through update_llm", "tests/vllm/test_vllm_transfer.py"
