@@ -27,6 +27,12 @@ engine updates as above; and last, **restart**: a fresh engine process started o
 other checkpoint, timed from spawning it to its first token (and ``LLM()`` to first
 token inside it).
 
+Before the restart, **a trainer's new weights in memory** (issue 45, point 7a), each
+round new content, timed from the trainer's call to every rank generating:
+``publish_tensors`` from memory (a sealed memfd; no file), the trainer's save of a
+directory then ``publish`` and the update, and the trainer's save then vLLM's
+``reload_weights`` (``--trainer-rounds``; the load average is read per row).
+
 The first weightd update of each engine finds no pack of its layout (it started from
 disk) and waits for the daemon to build it; later publishes prepare them (the
 ``packs`` column). Each switch's greedy token is checked against the token the same
@@ -197,8 +203,79 @@ def child_switch(args: argparse.Namespace) -> None:
         "token": -1,
     }
     print("RESULT " + json.dumps(result), flush=True)
+    trainer_rows(llm, admin, args, dirs[0])
     watch.close()
     llm.llm_engine.engine_core.shutdown()
+
+
+def trainer_rows(llm: Any, admin: Any, args: argparse.Namespace, base: str) -> None:
+    """A trainer's new weights in memory -> every rank generating with them, three ways,
+    each round new content (one element changed): **weightd-memory** (``publish_tensors``:
+    a sealed memfd, no file), **weightd-directory** (the trainer saves the tensors, then
+    ``publish`` + update), **reload-save** (the trainer saves, then vLLM's
+    ``reload_weights`` of that directory). The saves are timed: they are the trainer's
+    cost of those paths. Saved directories are removed after each row."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from weightd.vllm.transfer.rl import update_llm
+
+    tensors: dict[str, Any] = {}
+    for name in sorted(f for f in os.listdir(base) if f.endswith(".safetensors")):
+        tensors.update(load_file(os.path.join(base, name)))
+    first = sorted(tensors)[0]
+    step = 0
+    for round_ in range(args.trainer_rounds):
+        for method in ("weightd-memory", "weightd-directory", "reload-save"):
+            step += 1
+            with torch.no_grad():
+                tensors[first].view(-1)[0] = float(step)  # a trainer's next step
+            out = f"{base}-step-{args.tp}-{step}"
+            t0 = time.perf_counter()
+            result: dict[str, Any] = {}
+            if method in ("reload-save", "weightd-directory"):
+                os.makedirs(out)
+                save_file(
+                    tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"}
+                )
+                shutil.copy(os.path.join(base, "config.json"), os.path.join(out, "config.json"))
+                result["save_s"] = time.perf_counter() - t0
+            if method == "reload-save":
+                llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_path": out, "is_checkpoint_format": True}
+                )
+                llm.reset_prefix_cache()
+            else:
+                if method == "weightd-memory":
+                    published = admin.publish_tensors(tensors, model="m", transport="shm")
+                else:
+                    published = admin.publish(out, model="m")
+                result.update(
+                    verify_s=published.verify_seconds,
+                    prepare_s=published.prepare_seconds,
+                    packs_built=published.packs_built,
+                    publish_s=time.perf_counter() - t0,
+                )
+                update_llm(
+                    llm, published.version, target=args.target, model="m", verify=args.verify
+                )
+            _token(llm)
+            result.update(
+                method=method,
+                seconds=time.perf_counter() - t0,
+                round=round_,
+                version_dir=-1,
+                token=-1,
+                load=_load(),
+            )
+            if method != "reload-save":
+                result.update(
+                    bytes=llm.collective_rpc(worker_bytes), ranks=llm.collective_rpc(worker_seconds)
+                )
+            shutil.rmtree(out, ignore_errors=True)
+            print("RESULT " + json.dumps(result), flush=True)
 
 
 def perturbed_copy(base: str, out: str) -> str:
@@ -268,7 +345,7 @@ def bench_tp(
             *base,
             "--child-switch",
             *("--dirs", ",".join(map(str, dirs)), "--target", target, "--admin", admin),
-            *("--rounds", str(args.rounds)),
+            *("--rounds", str(args.rounds), "--trainer-rounds", str(args.trainer_rounds)),
         ],
         args.timeout,
     )
@@ -333,6 +410,30 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"| {r['tp']} | {label} | {len(xs)} | {_median(secs)} [{every}] | {mib} | "
                 f"{parts} | {pub} | {r['load'][0]} / {r['load'][1]} |"
             )
+        for method, label in (
+            ("weightd-memory", "trainer's tensors in memory -> weightd publish_tensors (shm)"),
+            ("weightd-directory", "trainer saves a directory -> weightd publish"),
+            ("reload-save", "trainer saves a directory -> vLLM reload_weights"),
+        ):
+            xs = [s for s in r["switches"] if s["method"] == method]
+            if not xs:
+                continue
+            every = ", ".join(
+                f"{s['seconds']:.2f}"
+                + (f" (save {s['save_s']:.2f})" if "save_s" in s else "")
+                + (f" (publish {s['publish_s']:.2f})" if "publish_s" in s else "")
+                for s in xs
+            )
+            pub = (
+                f"{_median([s['verify_s'] for s in xs])} + {_median([s['prepare_s'] for s in xs])}"
+                if "verify_s" in xs[0]
+                else "-"
+            )
+            loads = "; ".join(s["load"] for s in xs)
+            rows.append(
+                f"| {r['tp']} | {label} (call -> every rank generating) | {len(xs)} | "
+                f"{_median([s['seconds'] for s in xs])} [{every}] | - | - | {pub} | {loads} |"
+            )
         rs = r["restart"]
         rows.append(
             f"| {r['tp']} | restart (spawn -> first token; LLM() -> token "
@@ -352,6 +453,12 @@ def main() -> None:
     ap.add_argument("--admin", help=argparse.SUPPRESS)
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--trainer-rounds",
+        type=int,
+        default=2,
+        help="rounds of the trainer rows (memory, directory, reload with the save)",
+    )
     ap.add_argument("--layers", type=int, default=10, help="decoder layers (10: 1.14 GB)")
     ap.add_argument("--mem", type=float, default=0.4, help="gpu_memory_utilization")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per engine process")

@@ -334,3 +334,16 @@ def test_cli_publishes_tensors_from_files(daemon: RunningDaemon, versions: dict[
 def test_a_trainer_error_is_typed(shared: RunningDaemon) -> None:
     with admin_of(shared) as admin, pytest.raises(WeightdError, match="not served here"):
         admin.publish_tensors({"x": torch.zeros(2)}, model="nope", transport="shm")
+
+
+def test_the_worker_listener_refuses_the_publish_stream(
+    shared: RunningDaemon, versions: dict[str, Path]
+) -> None:
+    tensors = read_checkpoint(versions["v2"])
+    with (
+        AdminClient(shared.target, timeout=60) as wrong,
+        pytest.raises(PermissionDeniedError, match="admin RPC") as caught,
+    ):
+        wrong.publish_tensors(tensors, model="m", transport="grpc")
+    assert caught.value.reason == "AdminOnly"
+    check_version(shared, 1, versions["v1"])

@@ -190,13 +190,14 @@ class PublishSocket:
             raise FrameError("the trainer closed the connection before its request")
         payload, fds = got
         try:
-            request = lpb.LocalRequest.FromString(payload)
+            try:
+                request = lpb.LocalRequest.FromString(payload)
+            except DecodeError as exc:
+                raise LocalProtocolError(f"undecodable request: {exc}") from None
             check_fields(request)
-        except (DecodeError, Exception) as exc:
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-            if isinstance(exc, DecodeError):
-                raise LocalProtocolError(f"undecodable request: {exc}") from None
             raise
         return request, fds
 
