@@ -373,6 +373,11 @@ def main() -> None:
     ap.add_argument("--mem", type=float, default=0.5, help="gpu_memory_utilization")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per engine")
     ap.add_argument("--cases", default="first,second,cold")
+    ap.add_argument(
+        "--loaders",
+        default=",".join(LOADERS),
+        help="loaders to compare, in this order (a short run: weightd,auto)",
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.child:
@@ -416,7 +421,9 @@ def main() -> None:
                 for case in args.cases.split(","):
                     # fastsafetensors once: it hard-codes a CUDA device (see VLLM.md).
                     once = case == "first" and tp == tps[0]
-                    loaders = list(LOADERS) + (["fastsafetensors"] if once else [])
+                    chosen = args.loaders.split(",")
+                    once = once and chosen == list(LOADERS)
+                    loaders = chosen + (["fastsafetensors"] if once else [])
                     for loader in loaders:
                         if case == "cold":
                             dropped = drop_all_caches()

@@ -234,24 +234,36 @@ class LocalRequest(_message.Message):
     ACQUIRE_FIELD_NUMBER: _builtins.int
     ATTACH_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
+    DESCRIBE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def acquire(self) -> Global___AcquirePack: ...
     @_builtins.property
     def attach(self) -> Global___AttachPack: ...
     @_builtins.property
     def stats(self) -> Global___PackStatsRequest: ...
+    @_builtins.property
+    def describe(self) -> _weightd_pb2.DescribeModelRequest:
+        """--- describe over the side channel (fields 10-19) ---
+        The model's description, the same answer as the gRPC DescribeModel (one rule for
+        a version on both wires): a worker on the daemon's host holds its whole
+        conversation (describe, identity, fetch) here, without a gRPC channel. A daemon
+        that predates the field answers LocalError INVALID_ARGUMENT, reason
+        LocalProtocolError: the client then describes over gRPC.
+        """
+
     def __init__(
         self,
         *,
         acquire: Global___AcquirePack | None = ...,
         attach: Global___AttachPack | None = ...,
         stats: Global___PackStatsRequest | None = ...,
+        describe: _weightd_pb2.DescribeModelRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "request", b"request", "stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "describe", b"describe", "request", b"request", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "request", b"request", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "describe", b"describe", "request", b"request", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["acquire", "attach", "stats"]  # noqa: Y015
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["acquire", "attach", "stats", "describe"]  # noqa: Y015
     _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
 
@@ -559,24 +571,32 @@ class LocalResponse(_message.Message):
     GRANT_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def grant(self) -> Global___PackGrant: ...
     @_builtins.property
     def stats(self) -> Global___LocalStats: ...
     @_builtins.property
     def error(self) -> Global___LocalError: ...
+    @_builtins.property
+    def description(self) -> _weightd_pb2.ModelDescription:
+        """--- describe over the side channel (fields 10-19) ---
+        the answer to LocalRequest.describe
+        """
+
     def __init__(
         self,
         *,
         grant: Global___PackGrant | None = ...,
         stats: Global___LocalStats | None = ...,
         error: Global___LocalError | None = ...,
+        description: _weightd_pb2.ModelDescription | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "grant", b"grant", "response", b"response", "stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "error", b"error", "grant", b"grant", "response", b"response", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "grant", b"grant", "response", b"response", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "error", b"error", "grant", b"grant", "response", b"response", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_response: _TypeAlias = _typing.Literal["grant", "stats", "error"]  # noqa: Y015
+    _WhichOneofReturnType_response: _TypeAlias = _typing.Literal["grant", "stats", "error", "description"]  # noqa: Y015
     _WhichOneofArgType_response: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_response) -> _WhichOneofReturnType_response | None: ...
 

@@ -63,6 +63,7 @@ from ..weights.service import WeightService
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer, wire_layout
 from .layout_memory import LayoutMemory
+from .local_describe import describe
 from .options import LocalConfig
 from .pinned import HostPinner
 
@@ -230,6 +231,8 @@ class PackService:
                 return self._attach(request.attach)
             if which == "stats":
                 return Outcome(lpb.LocalResponse(stats=self.stats()), [])
+            if which == "describe":
+                return describe(self.weights, request.describe)
             raise LocalProtocolError(f"request {which or '(empty)'} is not one this daemon knows")
         except Exception as exc:
             return Outcome(lpb.LocalResponse(error=local_error(exc, which or "request")), [])
