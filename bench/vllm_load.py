@@ -165,6 +165,9 @@ def worker_stats(worker: Any) -> dict[str, int]:
     report = getattr(worker.model_runner.model, "weightd_load_report", None)
     out["weightd_bytes"] = report.bytes if report is not None else 0
     out["pack_built"] = int(bool(report and report.pack_built))
+    if report is not None:  # seconds per step inside the loader (LoadReport.steps)
+        out["steps"] = dict(getattr(report, "steps", {}))
+        out["described_over"] = getattr(report, "described_over", "")
     return out
 
 
@@ -449,6 +452,14 @@ def main() -> None:
             f"{gbps:.2f} GB/s of packs; load avg {info['load_avg']:.1f})"
         )
     print(table(results, payload))
+    for r in results:
+        for rank, w in enumerate(r.get("workers", [])):
+            if w.get("steps"):
+                steps = ", ".join(f"{k} {v:.3f}" for k, v in w["steps"].items())
+                print(
+                    f"TP={r['tp']} {r['case']} rank {rank}: described over "
+                    f"{w.get('described_over') or '?'}; {steps} s"
+                )
     if args.json:
         Path(args.json).write_text(
             json.dumps({"results": results, "starts": daemon.starts, "payload": payload}, indent=1)
