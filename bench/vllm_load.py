@@ -165,6 +165,9 @@ def worker_stats(worker: Any) -> dict[str, int]:
     report = getattr(worker.model_runner.model, "weightd_load_report", None)
     out["weightd_bytes"] = report.bytes if report is not None else 0
     out["pack_built"] = int(bool(report and report.pack_built))
+    if report is not None:  # seconds per step inside the loader (LoadReport.steps)
+        out["steps"] = dict(getattr(report, "steps", {}))
+        out["described_over"] = getattr(report, "described_over", "")
     return out
 
 
@@ -373,6 +376,11 @@ def main() -> None:
     ap.add_argument("--mem", type=float, default=0.5, help="gpu_memory_utilization")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per engine")
     ap.add_argument("--cases", default="first,second,cold")
+    ap.add_argument(
+        "--loaders",
+        default=",".join(LOADERS),
+        help="loaders to compare, in this order (a short run: weightd,auto)",
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.child:
@@ -416,7 +424,9 @@ def main() -> None:
                 for case in args.cases.split(","):
                     # fastsafetensors once: it hard-codes a CUDA device (see VLLM.md).
                     once = case == "first" and tp == tps[0]
-                    loaders = list(LOADERS) + (["fastsafetensors"] if once else [])
+                    chosen = args.loaders.split(",")
+                    once = once and chosen == list(LOADERS)
+                    loaders = chosen + (["fastsafetensors"] if once else [])
                     for loader in loaders:
                         if case == "cold":
                             dropped = drop_all_caches()
@@ -442,6 +452,14 @@ def main() -> None:
             f"{gbps:.2f} GB/s of packs; load avg {info['load_avg']:.1f})"
         )
     print(table(results, payload))
+    for r in results:
+        for rank, w in enumerate(r.get("workers", [])):
+            if w.get("steps"):
+                steps = ", ".join(f"{k} {v:.3f}" for k, v in w["steps"].items())
+                print(
+                    f"TP={r['tp']} {r['case']} rank {rank}: described over "
+                    f"{w.get('described_over') or '?'}; {steps} s"
+                )
     if args.json:
         Path(args.json).write_text(
             json.dumps({"results": results, "starts": daemon.starts, "payload": payload}, indent=1)

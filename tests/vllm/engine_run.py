@@ -57,6 +57,8 @@ def load_report(worker: Any) -> dict[str, Any] | None:
         "identity": dict(report.identity),
         "pack_built": report.pack_built,
         "trust_root": report.trust_root,
+        "described_over": report.described_over,
+        "steps": sorted(report.steps),
     }
 
 

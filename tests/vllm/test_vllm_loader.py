@@ -64,6 +64,10 @@ def test_each_worker_received_only_its_share(engine: Engine, model: str, tp: int
         # vLLM's padding_size, sent at tp > 1 (at tp 1 nothing is cut)
         assert report["vocab_pad"] == (64 if tp > 1 else 0)
         assert report["transport"] == "shm"  # the daemon's host: its shared packs
+        assert report["described_over"] == "shm"  # and its describe: no gRPC channel
+        assert report["steps"] == sorted(
+            ["placement", "describe", "identity", "fetch", "load_weights", "check_loaded"]
+        )
         for name, (got, full) in report["shapes"].items():
             assert got == _share(name, full, model, tp, rank), name
         # The daemon cut vLLM's rows itself: nobody fetched a neighbour's block.
@@ -85,6 +89,7 @@ def test_an_old_daemons_equal_blocks_are_re_cut_to_the_same_parameters(
     assert old["digests"] == theirs["digests"]
     reports = old["reports"]
     assert [r["transport"] for r in reports] == ["grpc", "grpc"]  # no side socket there
+    assert [r["described_over"] for r in reports] == ["grpc", "grpc"]
     assert [r["vocab_pad"] for r in reports] == [0, 0]  # what it fell back to
     assert sorted(map(tuple, reports[0]["vocab_blocks"])) == [
         ("lm_head.weight", 1),

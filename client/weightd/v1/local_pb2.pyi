@@ -236,6 +236,7 @@ class LocalRequest(_message.Message):
     STATS_FIELD_NUMBER: _builtins.int
     PUBLISH_FIELD_NUMBER: _builtins.int
     PUBLISH_MEMFD_FIELD_NUMBER: _builtins.int
+    DESCRIBE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def acquire(self) -> Global___AcquirePack: ...
     @_builtins.property
@@ -248,6 +249,16 @@ class LocalRequest(_message.Message):
 
     @_builtins.property
     def publish_memfd(self) -> Global___PublishMemfd: ...
+    @_builtins.property
+    def describe(self) -> _weightd_pb2.DescribeModelRequest:
+        """--- describe over the side channel (fields 10-19) ---
+        The model's description, the same answer as the gRPC DescribeModel (one rule for
+        a version on both wires): a worker on the daemon's host holds its whole
+        conversation (describe, identity, fetch) here, without a gRPC channel. A daemon
+        that predates the field answers LocalError INVALID_ARGUMENT, reason
+        LocalProtocolError: the client then describes over gRPC.
+        """
+
     def __init__(
         self,
         *,
@@ -256,12 +267,13 @@ class LocalRequest(_message.Message):
         stats: Global___PackStatsRequest | None = ...,
         publish: Global___PublishTensors | None = ...,
         publish_memfd: Global___PublishMemfd | None = ...,
+        describe: _weightd_pb2.DescribeModelRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "publish", b"publish", "publish_memfd", b"publish_memfd", "request", b"request", "stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "describe", b"describe", "publish", b"publish", "publish_memfd", b"publish_memfd", "request", b"request", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "publish", b"publish", "publish_memfd", b"publish_memfd", "request", b"request", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "attach", b"attach", "describe", b"describe", "publish", b"publish", "publish_memfd", b"publish_memfd", "request", b"request", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["acquire", "attach", "stats", "publish", "publish_memfd"]  # noqa: Y015
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["acquire", "attach", "stats", "publish", "publish_memfd", "describe"]  # noqa: Y015
     _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
 
@@ -571,6 +583,7 @@ class LocalResponse(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     PUBLISH_READY_FIELD_NUMBER: _builtins.int
     PUBLISHED_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def grant(self) -> Global___PackGrant: ...
     @_builtins.property
@@ -583,6 +596,12 @@ class LocalResponse(_message.Message):
 
     @_builtins.property
     def published(self) -> _weightd_pb2.PublishResponse: ...
+    @_builtins.property
+    def description(self) -> _weightd_pb2.ModelDescription:
+        """--- describe over the side channel (fields 10-19) ---
+        the answer to LocalRequest.describe
+        """
+
     def __init__(
         self,
         *,
@@ -591,12 +610,13 @@ class LocalResponse(_message.Message):
         error: Global___LocalError | None = ...,
         publish_ready: Global___PublishReady | None = ...,
         published: _weightd_pb2.PublishResponse | None = ...,
+        description: _weightd_pb2.ModelDescription | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "grant", b"grant", "publish_ready", b"publish_ready", "published", b"published", "response", b"response", "stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "error", b"error", "grant", b"grant", "publish_ready", b"publish_ready", "published", b"published", "response", b"response", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "grant", b"grant", "publish_ready", b"publish_ready", "published", b"published", "response", b"response", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "error", b"error", "grant", b"grant", "publish_ready", b"publish_ready", "published", b"published", "response", b"response", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_response: _TypeAlias = _typing.Literal["grant", "stats", "error", "publish_ready", "published"]  # noqa: Y015
+    _WhichOneofReturnType_response: _TypeAlias = _typing.Literal["grant", "stats", "error", "publish_ready", "published", "description"]  # noqa: Y015
     _WhichOneofArgType_response: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_response) -> _WhichOneofReturnType_response | None: ...
 

@@ -436,16 +436,22 @@ def decode_grant(data: bytes) -> Grant:
 
 
 class Response:
-    """``LocalResponse``: one of a grant, an error, or (``stats``) the stats' bytes."""
+    """``LocalResponse``: one of a grant, an error, or (``stats``, ``description``) the
+    bytes of the stats or of a ``ModelDescription`` (``local_describe`` reads those)."""
 
-    __slots__ = ("error", "grant", "stats")
+    __slots__ = ("description", "error", "grant", "stats")
 
     def __init__(
-        self, grant: Grant | None = None, error: Error | None = None, stats: bytes | None = None
+        self,
+        grant: Grant | None = None,
+        error: Error | None = None,
+        stats: bytes | None = None,
+        description: bytes | None = None,
     ) -> None:
         self.grant = grant
         self.error = error
         self.stats = stats
+        self.description = description
 
 
 def decode_response(data: bytes) -> Response:
@@ -457,4 +463,6 @@ def decode_response(data: bytes) -> Response:
             out = Response(stats=_raw(value))
         elif number == 3:
             out = Response(error=decode_error(_raw(value)))
+        elif number == 10:
+            out = Response(description=_raw(value))
     return out

@@ -6,11 +6,18 @@ In every worker process vLLM builds the model from ``DIR/config.json`` and then 
 1. reads the worker's place from vLLM's parallel state (``placement``);
 2. asks the daemon to describe its model and refuses to go on unless it is the
    checkpoint in ``DIR`` (``identity``), naming both sides;
-3. fetches exactly that layout (``WeightClient.fetch_layout``: shared memory on the
-   daemon's host, gRPC otherwise, every slice checked against the daemon's digest);
+3. fetches exactly that layout at the version described (``WeightClient.fetch_layout``:
+   shared memory on the daemon's host, gRPC otherwise, every slice checked against the
+   daemon's digest);
 4. feeds the shares through vLLM's own ``model.load_weights`` (``presharded``), so
    vLLM's fused parameters, tied embeddings, GQA replication and vocabulary padding
    are vLLM's code, and then runs vLLM's own check that every parameter was loaded.
+
+On the daemon's host steps 2 and 3 both go over the side socket (``share/describe.py``):
+the load opens no gRPC channel and imports no gRPC module, so what it pays beyond a
+plain read of the files is the exchanges on a Unix socket and mapping the pack;
+vLLM's own copy into its parameters (step 4) is the floor. Each step's seconds are in
+:attr:`LoadReport.steps`.
 
 Failures raise :class:`~weightd.vllm.errors.WeightdLoadError` naming the target,
 model and layout. With ``"fallback": "disk"`` such a failure is logged at ERROR and
@@ -32,7 +39,8 @@ from weightd.client import Layout, ModelDescription, WeightClient, WeightdError
 from weightd.client.base import errors as e
 
 from ..errors import WeightdLoadError
-from ..share.fetch import LoadReport, fetch_share
+from ..share.describe import describe
+from ..share.fetch import LoadReport, Weights, fetch_share
 from ..share.identity import compare_files
 from ..share.placement import worker_layout
 from ..share.presharded import presharded_loading
@@ -45,7 +53,7 @@ log = logging.getLogger("vllm.weightd")
 #: Attribute the loader sets on the model it loaded: what it received (a LoadReport).
 REPORT_ATTR = "weightd_load_report"
 
-__all__ = ["REPORT_ATTR", "LoadReport", "load_from_weightd", "register_loader"]
+__all__ = ["REPORT_ATTR", "LoadReport", "load_from_weightd", "register_loader", "worker_share"]
 
 
 #: What each situation means for this load, by the client's typed errors (the daemon
@@ -142,33 +150,74 @@ def check_identity(
     return proven
 
 
+def worker_share(
+    directory: Path, layout: Layout, model: torch.nn.Module, options: LoaderOptions
+) -> tuple[Weights, LoadReport]:
+    """Steps 2-3 above, the worker's whole conversation with the daemon: the model
+    described, ``directory`` proven to be it, the rank's share of that version fetched.
+
+    Needs no vLLM (``model`` is read only for its vocabulary cut above TP=1), so a test
+    runs it in a fresh process and sees that no gRPC module was imported on the
+    daemon's host. Raises WeightdLoadError.
+    """
+    where = _where(options, layout)
+    steps: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def step(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        steps[name] = now - clock
+        clock = now
+
+    try:
+        with WeightClient(options.target, timeout=options.timeout) as client:
+            desc, described_over = describe(client, options.model, transport=options.transport)
+            step("describe")
+            served_from = lambda: _source(client, desc)  # noqa: E731 -- only on a refusal
+            identity = check_identity(directory, desc, options, where, served_from)
+            step("identity")
+            # The version described, not whatever is current when the fetch arrives: a
+            # publish in between must not load other weights than the ones proven.
+            weights, report = fetch_share(
+                client, desc, layout, model, transport=options.transport, version=desc.version
+            )
+            step("fetch")
+    except WeightdError as exc:
+        raise WeightdLoadError(f"{where}: {_why(exc)}: {exc}") from exc
+    report.target = options.target
+    report.identity = identity
+    report.trust_root = desc.trust_root
+    report.described_over = described_over
+    report.steps = steps
+    return weights, report
+
+
 def load_from_weightd(
     model: torch.nn.Module, model_config: Any, options: LoaderOptions
 ) -> LoadReport:
     """Steps 1-4 above; returns what was received. Raises WeightdLoadError."""
-    layout = padded_layout(worker_layout(model_config), model)
-    where = _where(options, layout)
     started = time.perf_counter()
-    try:
-        with WeightClient(options.target, timeout=options.timeout) as client:
-            desc = client.describe(options.model)
-            identity = check_identity(
-                Path(model_config.model), desc, options, where, lambda: _source(client, desc)
-            )
-            weights, report = fetch_share(client, desc, layout, model, transport=options.transport)
-            report.target = options.target
-            report.identity = identity
-            report.trust_root = desc.trust_root
-    except WeightdError as exc:
-        raise WeightdLoadError(f"{where}: {_why(exc)}: {exc}") from exc
+    layout = padded_layout(worker_layout(model_config), model)
+    placed = time.perf_counter()
+    weights, report = worker_share(Path(model_config.model), layout, model, options)
+    copied = time.perf_counter()
     with presharded_loading(model):
         loaded = model.load_weights(iter(weights))  # type: ignore[operator]
     del weights
+    loaded_at = time.perf_counter()
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     if model_config.quantization is None and loaded is not None:
         DefaultModelLoader(_disk_config(None)).track_weights_loading(model, loaded)
-    report.seconds = time.perf_counter() - started
+    ended = time.perf_counter()
+    report.steps = {
+        "placement": placed - started,
+        **report.steps,
+        "load_weights": loaded_at - copied,
+        "check_loaded": ended - loaded_at,
+    }
+    report.seconds = ended - started
     return report
 
 

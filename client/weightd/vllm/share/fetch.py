@@ -49,6 +49,11 @@ class LoadReport:
     #: "oms-key:...", "oms-certificate:...", "manifest:...", ...; "" none but the
     #: digests computed at load)
     trust_root: str = ""
+    #: The wire the model was described over: "shm" (the side socket) or "grpc"
+    described_over: str = ""
+    #: Seconds per step of the load, in order ("placement", "describe", "identity",
+    #: "fetch", "load_weights": vLLM's copy into its parameters, "check_loaded")
+    steps: dict[str, float] = field(default_factory=dict)
 
 
 def fetch_share(

@@ -19,6 +19,7 @@ from ..base.errors import (
     NoAdapters,
     WeightdError,
 )
+from ..weights.describe import describe_model
 from ..weights.models import LoadedModel
 from ..weights.service import WeightService
 from ..weights.view import RankView
@@ -168,33 +169,7 @@ class WeightsService:
     def DescribeModel(
         self, request: pb.DescribeModelRequest, context: grpc.ServicerContext
     ) -> pb.ModelDescription:
-        m = self.weights.model(request.model, request.version)
-        ckpt = m.checkpoint
-        out = pb.ModelDescription(
-            name=ckpt.name,
-            architecture=ckpt.architecture,
-            config_json=ckpt.config_json,
-            total_bytes=ckpt.total_bytes,
-            model_fingerprint=m.fingerprint,
-            version=m.version,
-            trust_root=m.trust_root,
-            host_boot_id=self.weights.boot_id(),
-        )
-        for f in self.weights.held_files(m):
-            entry = out.files.add(name=f.name, size=f.size, sha256=f.sha256)
-            if f.shard:
-                entry.device, entry.inode, entry.mtime_ns = f.device, f.inode, f.mtime_ns
-                entry.sample_digest = f.sample_digest
-        for t in ckpt.tensors.values():
-            out.tensors.add(
-                name=t.name,
-                dtype=t.dtype,
-                shape=t.shape,
-                shard=t.shard,
-                nbytes=t.nbytes,
-                digest=m.tensor_digests[t.name],
-            )
-        return out
+        return describe_model(self.weights, request.model, request.version)
 
     def Fetch(
         self, request: pb.FetchRequest, context: grpc.ServicerContext

@@ -64,6 +64,7 @@ from ..weights.service import WeightService
 from .cuda_ipc import CudaPack, CudaPlacer
 from .grants import Held, Outcome, PackInfo, answer, wire_layout
 from .layout_memory import LayoutMemory
+from .local_describe import describe
 from .options import LocalConfig
 from .pinned import HostPinner
 
@@ -236,6 +237,8 @@ class PackService:
                     "publishing from memory is an admin request: this is the worker side "
                     "socket; send it to the admin side socket (<admin socket>.local)"
                 )
+            if which == "describe":
+                return describe(self.weights, request.describe)
             raise LocalProtocolError(f"request {which or '(empty)'} is not one this daemon knows")
         except Exception as exc:
             return Outcome(lpb.LocalResponse(error=local_error(exc, which or "request")), [])
