@@ -9,6 +9,7 @@ runs at that moment is driven directly, over a real registry and real memfds.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 from collections.abc import Iterator
@@ -18,12 +19,13 @@ import pytest
 
 from tests.models import VERSIONED_LLAMA, build_model, read_checkpoint
 from weightd.client.api.publishing import memfd_of, raw_tensors
-from weightd.server.base.errors import PublishAborted, PublishRefused
+from weightd.server.base.errors import MemoryPublishUntrusted, PublishAborted, PublishRefused
 from weightd.server.registry.loading import Reloader
 from weightd.server.registry.models import ModelRegistry, load_model
 from weightd.server.registry.publish import Publisher
 from weightd.server.registry.versions import ModelVersions
 from weightd.server.transports.publish_socket import peer_gone
+from weightd.server.trust.verify import VerifyOptions
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +93,31 @@ def test_peer_gone_sees_a_closed_connection() -> None:
         assert not peer_gone(a)
         b.close()
         assert peer_gone(a)
+
+
+def test_a_daemon_that_requires_proofs_refuses_memory(dirs: dict[str, Path]) -> None:
+    registry = ModelRegistry()
+    registry.publish(load_model(str(dirs["v1"]), "m"))
+    try:
+        options = VerifyOptions(manifests={"m": str(dirs["v1"] / "manifest.json")})
+        pub = Publisher(Reloader(registry, options=options))
+        fd, _ = memfd_of(raw_tensors(read_checkpoint(dirs["v2"])))
+        with pytest.raises(MemoryPublishUntrusted, match="proved by a manifest"):
+            pub.publish_memory("m", fd)
+        assert own_memfds() == 0
+        assert registry.get("m").version == 0  # no versions attached: never renumbered
+    finally:
+        registry.close()
+
+
+def test_a_header_that_is_not_safetensors_is_refused(
+    publisher: tuple[ModelRegistry, Publisher],
+) -> None:
+    registry, pub = publisher
+    fd = os.memfd_create("weightd-trainer", os.MFD_ALLOW_SEALING)
+    os.write(fd, (9).to_bytes(8, "little") + b"{not json" + b"\0" * 64)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+    with pytest.raises(PublishRefused, match="header is not valid"):
+        pub.publish_memory("m", fd)
+    assert own_memfds() == 0
+    assert registry.get("m").version == 1

@@ -166,9 +166,22 @@ class Publisher:
     ) -> Published:
         """:meth:`publish_memory` of a region the daemon fills from ``chunks`` (the
         PublishTensors stream) and seals itself; a stream that breaks publishes nothing."""
-        name, limit = self.memory_limit(name)
-        check_trust(self._reloader.options, name)
-        fd = region_from_chunks(total, limit, chunks)
+        started = time.monotonic()
+        try:
+            name, limit = self.memory_limit(name)
+            check_trust(self._reloader.options, name)
+            fd = region_from_chunks(total, limit, chunks)
+        except Exception as exc:
+            logs.event(
+                "publish",
+                logging.ERROR,
+                model=name,
+                source="PublishTensors stream",
+                outcome="failed",
+                error=str(exc),
+                seconds=time.monotonic() - started,
+            )
+            raise
         return self.publish_memory(name, fd, still_wanted)
 
     def _publish(

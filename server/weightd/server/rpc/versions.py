@@ -8,9 +8,10 @@ Thin, like the other servicers: messages become calls on
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Iterator
-from typing import Final
+from typing import Final, TypeVar
 
 import grpc
 
@@ -24,6 +25,7 @@ from .watches import watch_stream
 #: The most data bytes one PublishTensors chunk carries (gRPC's message limit is set
 #: to this plus room for the rest of the message on the admin listener).
 MAX_PUBLISH_CHUNK_BYTES: Final = 4 << 20
+T = TypeVar("T")
 _KINDS: Final = {"ready": pb.VersionEvent.READY, "dropped": pb.VersionEvent.DROPPED}
 
 
@@ -50,6 +52,61 @@ def published_pb(p: Published) -> pb.PublishResponse:
         prepare_seconds=p.prepared.seconds,
         packs_built=p.prepared.packs_built,
     )
+
+
+#: Seconds a PublishTensors stream may go without sending a chunk before the daemon
+#: gives up on it (nothing published, its memfd closed, the admin thread free again).
+CHUNK_IDLE_SECONDS: Final = 60.0
+_END: Final = object()
+
+
+def paced_chunks(chunks: Iterator[T], idle_seconds: float) -> Iterator[T]:
+    """``chunks`` (a request stream), each awaited at most ``idle_seconds``: gRPC's
+    request iterator blocks without a timeout, so a reader thread feeds a queue of two
+    (at most two chunks held) and a stalled or broken stream becomes
+    :class:`PublishAborted` here. When this generator ends early the reader stops at its
+    next chunk (or when gRPC ends the call, which ends its wait)."""
+    q: queue.Queue[object] = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def put(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=1.0)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for chunk in chunks:
+                if not put(chunk):
+                    return
+            put(_END)
+        except Exception as exc:  # grpc.RpcError: the stream broke
+            put(exc)
+
+    threading.Thread(target=read, name="weightd-publish-stream", daemon=True).start()
+    try:
+        while True:
+            try:
+                item = q.get(timeout=idle_seconds)
+            except queue.Empty:
+                raise PublishAborted(
+                    f"the PublishTensors stream sent nothing for {idle_seconds:g} s: nothing "
+                    "was published"
+                ) from None
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise PublishAborted(
+                    "the PublishTensors stream broke before all its bytes arrived: nothing "
+                    "was published"
+                ) from None
+            yield item  # type: ignore[misc]  # a chunk: not _END, not an exception
+    finally:
+        stop.set()
 
 
 class Versions:
@@ -94,27 +151,19 @@ class Versions:
         breaks, or a caller gone before the commit, publishes nothing."""
         if self.publisher is None:
             raise InvalidRequest("this daemon publishes no versions")
-        try:
-            first = next(chunks, None)
-        except grpc.RpcError:
-            raise PublishAborted("the PublishTensors stream broke before its first chunk") from None
+        paced = paced_chunks(chunks, CHUNK_IDLE_SECONDS)
+        first = next(paced, None)
         if first is None:
             raise InvalidRequest("PublishTensors: the stream sent no chunk")
 
         def data() -> Iterator[bytes]:
             yield first.data
-            try:
-                for chunk in chunks:
-                    if chunk.model or chunk.total_bytes:
-                        raise InvalidRequest(
-                            "PublishTensors: only the first chunk names the model and the size"
-                        )
-                    yield chunk.data
-            except grpc.RpcError:
-                raise PublishAborted(
-                    "the PublishTensors stream broke before all its bytes arrived: nothing "
-                    "was published"
-                ) from None
+            for chunk in paced:
+                if chunk.model or chunk.total_bytes:
+                    raise InvalidRequest(
+                        "PublishTensors: only the first chunk names the model and the size"
+                    )
+                yield chunk.data
 
         def still_wanted() -> None:
             if not context.is_active():

@@ -256,6 +256,8 @@ class PublishSocket:
         except (OSError, FrameError):
             raise
         except Exception as exc:
+            # the publish itself logs its own outcome; this says why a hand-over was refused
+            log.warning("publish from memory on the admin side socket refused: %s", exc)
             response = lpb.LocalResponse(error=local_error(exc, "publish"))
         conn.settimeout(5.0)
         send_frame(conn, response.SerializeToString())
