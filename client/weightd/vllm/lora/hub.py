@@ -63,6 +63,7 @@ from weightd.common.digests import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ad
 from ..share.identity import compare
 from .options import ENV, LoRAOptions, parse_lora_options
 from .refusals import not_written, refused, unavailable
+from .shared import PREFIX, shared_path, side_channel
 
 log = logging.getLogger("vllm.weightd.lora")
 
@@ -82,6 +83,9 @@ class AdapterCopy:
     digest: str
     path: str
     prepared_seconds: float = 0.0  # fetching and writing it, 0 when it was ready
+    #: ``path`` names the version for the workers to map from the daemon's pack
+    #: (:mod:`.shared`): no directory, nothing written here.
+    shared: bool = False
 
     @property
     def lora_name(self) -> str:
@@ -149,8 +153,13 @@ class LoRAHub:
             status = self._resolve(client, name)
             ready = self._ready.get((name, status.version))
             if ready is not None and ready.digest == status.digest:
-                self.root()  # still ours and private: what it holds is what was verified
+                if not ready.shared:
+                    self.root()  # still ours and private: what it holds is what was verified
                 return ready
+            if o.handover == "auto" and side_channel(o.target) is not None:
+                # Same host: the workers map the daemon's sealed pack (no file written).
+                path = shared_path(status.name, status.version, status.digest)
+                return self._publish(status, path, 0.0, shared=True)
         except WeightdError as exc:
             raise unavailable(name, o.target, exc) from None
         except OSError as exc:
@@ -261,15 +270,25 @@ class LoRAHub:
             raise
         return final
 
-    def _publish(self, status: AdapterStatus, final: str, seconds: float) -> AdapterCopy:
-        prepared = AdapterCopy(status.name, status.version, status.digest, final, seconds)
+    def _publish(
+        self, status: AdapterStatus, final: str, seconds: float, *, shared: bool = False
+    ) -> AdapterCopy:
+        prepared = AdapterCopy(status.name, status.version, status.digest, final, seconds, shared)
         with self._lock:
             self._ready[(status.name, status.version)] = prepared
             self._seq += 1
             self._paths[final] = self._seq
             expired = self._expired()
         for gone in expired:
-            _remove_tree(gone)
+            _remove_copy(gone)
+        if shared:
+            log.info(
+                "weightd: adapter %r version %d (%s): vLLM's workers map the daemon's pack",
+                status.name,
+                status.version,
+                status.digest,
+            )
+            return prepared
         log.info(
             "weightd: adapter %r version %d (%s) verified and written to %s in %.3f s",
             status.name,
@@ -316,7 +335,13 @@ class LoRAHub:
                     del self._ready[key]
             expired = self._expired()
         for gone in expired:
-            _remove_tree(gone)
+            _remove_copy(gone)
+
+
+def _remove_copy(path: str) -> None:
+    """Remove a private copy; a shared path names no directory (nothing to remove)."""
+    if not path.startswith(PREFIX):
+        _remove_tree(path)
 
 
 class UnsafeDirectory(OSError):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from weightd.common.digests import slice_digest
+from weightd.common.digests import ADAPTER_WEIGHTS_FILE, slice_digest
 
 from ..packs import cache as pack_cache
 from ..packs.build import HostPack, build_pack
@@ -44,11 +44,23 @@ class AdapterTag:
     digest: str
     base_model: str
     scaling: tuple[tuple[str, float], ...]
+    #: adapter_config.json as verified and the weights file's SHA-256 hex: with them a
+    #: same-host engine (vLLM) builds the adapter from the pack, PEFT's settings byte for
+    #: byte, and checks both against ``digest`` (``adapter_digest``).
+    config: bytes = b""
+    weights_sha256: str = ""
 
 
 def adapter_tag(v: AdapterVersion, plan: AdapterSlicePlan) -> AdapterTag:
+    a = v.adapter
     return AdapterTag(
-        v.name, v.version, v.adapter.digest, v.adapter.base_model, tuple(plan.scaling.items())
+        v.name,
+        v.version,
+        a.digest,
+        a.base_model,
+        tuple(plan.scaling.items()),
+        a.config_data,
+        a.file_sha256.get(ADAPTER_WEIGHTS_FILE, ""),
     )
 
 
