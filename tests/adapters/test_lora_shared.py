@@ -57,14 +57,20 @@ def adapter_packs(d: RunningDaemon, name: str) -> list[lpb.PackStat]:
 def test_hub_names_the_version_and_writes_nothing(
     daemon: RunningDaemon, lora: Fixture, tmp_path: Path
 ) -> None:
-    hub = LoRAHub(LoRAOptions(target=daemon.target, dir=str(tmp_path / "copies"), timeout=60))
+    options = LoRAOptions(daemon.target, dir=str(tmp_path / "copies"), retain_seconds=0)
+    hub = LoRAHub(options)
     got = asyncio.run(hub.current("good", str(lora.base_dir)))
     assert got.shared and got.digest == digest_of(lora.adapter_dir)
     assert got.path == shared_path("good", got.version, got.digest)
     assert parse_shared_path(got.path) == SharedVersion("good", got.version, got.digest)
     assert hub.owns(got.path)
     assert not (tmp_path / "copies").exists()  # no private copy, not even its directory
-    hub.retire(got.path)  # a shared path names no directory: nothing to remove, no error
+    # The hub leases the pack (built now, before any worker asks) while vLLM may load
+    # the version again; retired and past retain_seconds (0 here), it lets go.
+    assert [p.leases for p in adapter_packs(daemon, "good")] == [1]
+    hub.retire(got.path)
+    assert [p.leases for p in adapter_packs(daemon, "good")] == [0]
+    assert not hub.owns(got.path)
 
 
 def test_files_handover_still_writes_the_private_copy(
@@ -96,15 +102,16 @@ def test_workers_map_one_verified_pack_of_the_whole_adapter(
     reference = load_file(str(lora.second_dir / "adapter_model.safetensors"))
     assert same_bytes(first.tensors, reference) and same_bytes(second.tensors, reference)
     assert first.config == json.loads((lora.second_dir / "adapter_config.json").read_text())
-    # One pack on the host for both "engines", built once, leased by each.
-    assert first.pack_id == second.pack_id and first.built and not second.built
+    # One pack on the host for the hub and both "engines": built once (by the hub, before
+    # vLLM was given the path), leased by each.
+    assert first.pack_id == second.pack_id and not first.built and not second.built
     (pack,) = adapter_packs(daemon, "second")
-    assert (pack.adapter_version, pack.leases) == (wanted.version, 2)
+    assert (pack.adapter_version, pack.leases) == (wanted.version, 3)
     assert (pack.layout.tp_size, pack.layout.tp_rank) == (1, 0)
     # The lease lives exactly as long as the tensors.
     del first, second
     gc.collect()
-    assert [p.leases for p in adapter_packs(daemon, "second")] in ([0], [])
+    assert [p.leases for p in adapter_packs(daemon, "second")] == [1]  # the hub's
 
 
 def test_a_retired_version_is_served_while_held_and_refused_once_gone(

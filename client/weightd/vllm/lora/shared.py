@@ -32,13 +32,14 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 from urllib.parse import quote, unquote
 
 from weightd.client import DataLossError, FailedPreconditionError
 from weightd.client.base.request import Delivery
 from weightd.client.receive.hashers import available_kinds
 from weightd.client.transports.local import LocalConnection
+from weightd.client.transports.localwire import Grant
 from weightd.client.transports.selection import side_socket_path
 from weightd.client.transports.shm import map_host_pack
 from weightd.common.digests import adapter_digest
@@ -47,6 +48,11 @@ from weightd.v1 import weightd_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
 
 #: The start of a ``lora_path`` naming a weightd adapter version (absolute, so vLLM's
 #: ``get_adapter_absolute_path`` passes it on untouched; never a directory that exists).
@@ -102,11 +108,31 @@ class SharedAdapter:
     built: bool  # this acquire built the pack (False: another process had it built)
 
 
-def map_adapter(
-    target: str, wanted: SharedVersion, *, timeout: float, max_bytes: int
-) -> SharedAdapter:
-    """Map and verify the pack of ``wanted`` from the daemon at ``target`` (see the module
-    docstring). Raises the daemon's typed errors (:class:`~weightd.client.WeightdError`)."""
+def hold_pack(target: str, wanted: SharedVersion, *, timeout: float, max_bytes: int) -> Closable:
+    """Lease the pack of ``wanted`` without mapping it; close the result to let it go.
+
+    The API server's hub does this before it gives vLLM the path: the pack is built,
+    the version's config and digest are checked, and any refusal is the request's HTTP
+    error, all before vLLM's worker asks; and while the hub holds the lease the daemon
+    keeps the version (and its pack), so a worker that loads it again later (its
+    adapter cache evicted it, inside an engine step) finds it, as the private copy of
+    the ``files`` hand-over stays on disk (``retain_seconds``).
+    """
+    conn, grant, fds = _acquire(target, wanted, timeout)
+    try:
+        _checked(wanted, grant.adapter, grant.size_bytes, max_bytes)
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return conn
+
+
+def _acquire(
+    target: str, wanted: SharedVersion, timeout: float
+) -> tuple[LocalConnection, Grant, list[int]]:
     side = side_channel(target)
     if side is None:
         raise FailedPreconditionError(
@@ -115,7 +141,6 @@ def map_adapter(
             'WEIGHTD_LORA with "handover": "files"'
         )
     conn = LocalConnection(side, "shm", timeout)
-    fds: list[int] = []
     try:
         request = lpb.LocalRequest(
             acquire=lpb.AcquirePack(
@@ -127,6 +152,19 @@ def map_adapter(
             )
         )
         grant, fds = conn.request(request, max_fds=1)
+    except BaseException:
+        conn.close()
+        raise
+    return conn, grant, fds
+
+
+def map_adapter(
+    target: str, wanted: SharedVersion, *, timeout: float, max_bytes: int
+) -> SharedAdapter:
+    """Map and verify the pack of ``wanted`` from the daemon at ``target`` (see the module
+    docstring). Raises the daemon's typed errors (:class:`~weightd.client.WeightdError`)."""
+    conn, grant, fds = _acquire(target, wanted, timeout)
+    try:
         config = _checked(wanted, grant.adapter, grant.size_bytes, max_bytes)
         if len(fds) != 1:
             raise DataLossError(
@@ -188,6 +226,7 @@ __all__ = [
     "PREFIX",
     "SharedAdapter",
     "SharedVersion",
+    "hold_pack",
     "map_adapter",
     "parse_shared_path",
     "shared_path",

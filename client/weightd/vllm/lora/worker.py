@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from .options import LoRAOptions
@@ -40,6 +41,16 @@ def install(options: LoRAOptions) -> None:
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
 
+    if not all(
+        hasattr(c, m)
+        for c, m in ((PEFTHelper, "from_local_dir"), (LoRAModel, "from_local_checkpoint"))
+    ):
+        log.warning(
+            "weightd: this vLLM has no PEFTHelper.from_local_dir / "
+            "LoRAModel.from_local_checkpoint: adapters from the daemon's shared packs "
+            'cannot be loaded here; give WEIGHTD_LORA "handover": "files"'
+        )
+        return
     from_dir = PEFTHelper.from_local_dir
     if getattr(from_dir, _MARK, False):
         return
@@ -91,15 +102,17 @@ def install(options: LoRAOptions) -> None:
 
 
 def _map(options: LoRAOptions, wanted: SharedVersion) -> SharedAdapter:
+    started = time.monotonic()
     adapter = map_adapter(
         options.target, wanted, timeout=options.timeout, max_bytes=options.max_bytes
     )
     log.info(
-        "weightd: adapter %r version %d mapped from the daemon's pack %d (%s), verified",
+        "weightd: adapter %r version %d mapped from the daemon's pack %d (%s), verified, in %.3f s",
         wanted.name,
         wanted.version,
         adapter.pack_id,
         "built now" if adapter.built else "shared",
+        time.monotonic() - started,
     )
     return adapter
 
