@@ -205,6 +205,7 @@ def weightd_parts(log: str, name: str) -> dict[str, float]:
             "fetch_write",
             rf"adapter '{name}' version \d+ \(\S+\) verified and written .* in (\S+) s",
         ),
+        ("lease_check", rf"adapter '{name}' version \d+ \(\S+\): vLLM's .* checked in (\S+) s"),
         ("map_verify", rf"adapter '{name}' version \d+ mapped from .* in (\S+) s"),
         ("add_lora", rf"adapter '{name}' version \d+ \(\S+\) serves new .* in (\S+) s"),
     ):

@@ -22,7 +22,9 @@ bytes before the sealed pack is re-hashed against it.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,12 +87,29 @@ def slice_bytes(v: AdapterVersion, s: TensorSlice) -> tuple[bytes, str]:
 
 
 def build_adapter_pack(v: AdapterVersion, plan: AdapterSlicePlan, label: str) -> HostPack:
-    """The sealed, re-verified pack of ``plan`` (a rank's slices of version ``v``)."""
-    digests = [slice_bytes(v, s)[1] for s in plan.slices]
+    """The sealed, re-verified pack of ``plan`` (a rank's slices of version ``v``).
+
+    Each slice is hashed (on every core) and copied straight from the verified bytes'
+    runs, with no joined copy in between: a new adapter's first request (vLLM's shared
+    hand-over) waits for this build.
+    """
+    data = memoryview(v.adapter.data)
+
+    def digest(s: TensorSlice) -> str:
+        h = hashlib.sha256()
+        for off, n in s.pattern.ranges():
+            h.update(data[off : off + n])
+        return slice_digest(h)
 
     def fill(s: TensorSlice, into: memoryview) -> None:
-        into[:] = v.adapter.read(s.pattern)
+        at = 0
+        for off, n in s.pattern.ranges():
+            into[at : at + n] = data[off : off + n]
+            at += n
 
+    # hashlib releases the GIL on large buffers: the slices hash on every core.
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1), "weightd-adapter-hash") as pool:
+        digests = list(pool.map(digest, plan.slices))
     return build_pack(plan.slices, digests, fill, label)
 
 
