@@ -65,7 +65,15 @@ from weightd.common.digests import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ad
 from ..share.identity import compare
 from .options import ENV, LoRAOptions, parse_lora_options
 from .refusals import not_written, refused, unavailable
-from .shared import PREFIX, Closable, SharedVersion, hold_pack, shared_path, side_channel
+from .shared import (
+    PREFIX,
+    Closable,
+    NoSharedConfig,
+    SharedVersion,
+    hold_pack,
+    shared_path,
+    side_channel,
+)
 
 log = logging.getLogger("vllm.weightd.lora")
 
@@ -125,6 +133,8 @@ class LoRAHub:
     #: The side-channel lease on each shared version's pack this hub handed out (path ->
     #: its connection), ended when the version's path is let go (as a copy is removed).
     _leases: dict[str, Closable] = field(default_factory=dict)
+    #: The daemon's grants carry no adapter config: files from then on.
+    _old_daemon: bool = False
     #: vLLM's base model directory -> "" (it is the daemon's model) or why not.
     _bases: dict[str, str] = field(default_factory=dict)
     #: What asking again while the daemon loads an adapter cost.
@@ -159,14 +169,19 @@ class LoRAHub:
                 if not ready.shared:
                     self.root()  # still ours and private: what it holds is what was verified
                 return ready
-            if o.handover == "auto" and side_channel(o.target) is not None:
+            if o.handover == "auto" and not self._old_daemon and side_channel(o.target):
                 # Same host: the workers map the daemon's sealed pack (no file written);
                 # this hub's lease keeps the version while vLLM may load it again.
                 started = time.monotonic()
                 wanted = SharedVersion(status.name, status.version, status.digest)
-                lease = hold_pack(o.target, wanted, timeout=o.timeout, max_bytes=o.max_bytes)
-                path = shared_path(status.name, status.version, status.digest)
-                return self._publish(status, path, time.monotonic() - started, lease=lease)
+                try:
+                    lease = hold_pack(o.target, wanted, timeout=o.timeout, max_bytes=o.max_bytes)
+                except NoSharedConfig as exc:
+                    log.warning("weightd: %s; adapters are handed over as files", exc.detail)
+                    self._old_daemon = True
+                else:
+                    path = shared_path(status.name, status.version, status.digest)
+                    return self._publish(status, path, time.monotonic() - started, lease=lease)
         except WeightdError as exc:
             raise unavailable(name, o.target, exc) from None
         except OSError as exc:

@@ -61,6 +61,11 @@ PEFT_PREFIX: Final = "base_model.model."
 _PATH: Final = re.compile(r"^/weightd-adapter:([^/]+)@v([1-9][0-9]{0,18})/sha256:([0-9a-f]{64})$")
 
 
+class NoSharedConfig(FailedPreconditionError):
+    """The daemon predates the shared hand-over (its grants carry no adapter config):
+    the hub then hands the version over as files."""
+
+
 @dataclass(frozen=True)
 class SharedVersion:
     """An adapter version as a ``lora_path`` names it."""
@@ -203,7 +208,7 @@ def _checked(
             f"weightd adapter {name!r}: its pack is {size} bytes, over max_bytes {max_bytes}"
         )
     if not info.config or not info.weights_sha256:
-        raise FailedPreconditionError(
+        raise NoSharedConfig(
             f"weightd adapter {name!r}: the daemon's grant carries no adapter config (a daemon "
             'before the shared hand-over): give WEIGHTD_LORA "handover": "files"'
         )
@@ -224,6 +229,7 @@ def _checked(
 
 __all__ = [
     "PREFIX",
+    "NoSharedConfig",
     "SharedAdapter",
     "SharedVersion",
     "hold_pack",
