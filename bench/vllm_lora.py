@@ -10,9 +10,11 @@ resolver beside it: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``,
 ``VLLM_LORA_RESOLVER_CACHE_DIR``) measures, alternating the two routes in one run:
 
 1. **first request for an adapter not loaded yet** (a fresh name each time, its files
-   just written so both read from the page cache), one token: through weightd (the
-   daemon loads and verifies it from its root, the API server fetches and checks the
-   files, writes its private copy, vLLM loads it) and through vLLM's filesystem
+   just written so both read from the page cache), one token, the load average on
+   each row: through weightd (the daemon loads and verifies it from its root, builds
+   its sealed pack, vLLM's worker maps and re-verifies it and builds the adapter from
+   it; with ``--handover files``, the API server fetches the files over gRPC and writes
+   its private copy for vLLM to read, as before issue 45) and through vLLM's filesystem
    resolver (vLLM reads the directory), for a small adapter and one of >= 100 MB;
 2. **hot-swap latency**: from the start of the operator's ``LoadAdapter`` of a new
    version to the first response generated with it (the response's ``model`` names
@@ -136,11 +138,18 @@ def server_args(max_cpu_loras: int) -> list[str]:
     ]
 
 
+#: ``WEIGHTD_LORA``'s ``handover`` for the weightd route (``--handover``): ``auto`` maps
+#: the daemon's sealed pack in vLLM's workers (this host has the side socket), ``files``
+#: writes the private copy vLLM then reads (the hand-over before issue 45).
+HANDOVER = ["auto"]
+
+
 def server_env(target: str, copies: Path, fsdir: Path) -> dict[str, str]:
+    lora = {"target": target, "dir": str(copies), "handover": HANDOVER[0]}
     return dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
-        WEIGHTD_LORA=json.dumps({"target": target, "dir": str(copies)}),
+        WEIGHTD_LORA=json.dumps(lora),
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
         VLLM_LORA_RESOLVER_CACHE_DIR=str(fsdir),
     )
@@ -178,21 +187,26 @@ def measure_first(
                 seconds = first_request(s, name)
                 warm = first_request(s, name)  # loaded now: the request's own cost
                 parts = weightd_parts(s.log(), name) if route == "weightd" else {}
-                out.setdefault(f"{size}/{route}", []).append((seconds, warm, parts))
+                load = loadavg()
+                out.setdefault(f"{size}/{route}", []).append((seconds, warm, parts, load))
                 print(
-                    f"first request {size:5} {route:10} {seconds:.3f} s (then {warm:.3f} s) {parts}"
+                    f"first request {size:5} {route:10} {seconds:.3f} s (then {warm:.3f} s) "
+                    f"{parts} load {load}"
                 )
     return out
 
 
 def weightd_parts(log: str, name: str) -> dict[str, float]:
-    """From the API server's log: fetching and writing the private copy, vLLM's add_lora."""
+    """From the API server's log: fetching and writing the private copy (``files``) or
+    a worker mapping and verifying the daemon's pack (shared), vLLM's add_lora."""
     out: dict[str, float] = {}
     for key, pattern in (
         (
             "fetch_write",
             rf"adapter '{name}' version \d+ \(\S+\) verified and written .* in (\S+) s",
         ),
+        ("lease_check", rf"adapter '{name}' version \d+ \(\S+\): vLLM's .* checked in (\S+) s"),
+        ("map_verify", rf"adapter '{name}' version \d+ mapped from .* in (\S+) s"),
         ("add_lora", rf"adapter '{name}' version \d+ \(\S+\) serves new .* in (\S+) s"),
     ):
         found = re.findall(pattern, log)
@@ -328,9 +342,12 @@ def main() -> int:
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--json", default=None)
     p.add_argument("--only", choices=("all", "latency", "memory"), default="all")
+    p.add_argument("--handover", choices=("auto", "files"), default="auto")
     args = p.parse_args()
+    HANDOVER[0] = args.handover
     result: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     result["load_start"] = loadavg()
+    result["handover"] = args.handover
     with tempfile.TemporaryDirectory(prefix="vllm-lora-bench-") as top:
         tmp = Path(top)
         base = make_base(tmp / "base", BIG_BASE)

@@ -4,6 +4,7 @@ daemon, without vLLM: private copies, single-flight, base identity, errors as HT
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import stat
@@ -33,6 +34,7 @@ from weightd.vllm.lora.options import LoRAOptions, parse_lora_options
 from weightd.vllm.lora.refusals import unavailable
 
 pytestmark = pytest.mark.e2e
+FILES = functools.partial(LoRAOptions, handover="files")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,10 @@ def daemon(lora: Fixture, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def hub_for(d: RunningDaemon, tmp: Path) -> LoRAHub:
-    return LoRAHub(LoRAOptions(target=d.target, dir=str(tmp / "copies"), timeout=60))
+    """A hub writing private copies: the hand-over where the daemon's side socket is not
+    on the API server's host (``handover: files`` forces it here; the same-host shared
+    hand-over is tested in test_lora_shared.py)."""
+    return LoRAHub(FILES(target=d.target, dir=str(tmp / "copies"), timeout=60))
 
 
 def test_private_copy_is_the_verified_files_read_only(
@@ -142,6 +147,7 @@ def test_options(text: str, target: str, model: str) -> None:
         '{"max_bytes": 1.5}',
         '{"target": "http://h:1"}',  # the one address rule, as the loader's
         "localhost",
+        '{"handover": "stream"}',
     ],
 )
 def test_bad_options(text: str) -> None:
@@ -180,7 +186,7 @@ def test_a_retired_copy_goes_after_retain_seconds(
     from weightd.client.api.admin import AdminClient
 
     hub = LoRAHub(
-        LoRAOptions(target=daemon.target, dir=str(tmp_path / "c"), retain_seconds=0, timeout=60)
+        FILES(target=daemon.target, dir=str(tmp_path / "c"), retain_seconds=0, timeout=60)
     )
     admin = AdminClient(f"unix://{daemon.log_path.parent / 'run' / 'admin.sock'}", timeout=60)
     admin.load_adapter("retire", str(lora.adapter_dir))
@@ -204,18 +210,18 @@ def test_a_parent_other_users_can_write_is_refused(daemon: RunningDaemon, tmp_pa
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # world-writable, not sticky
-    hub = LoRAHub(LoRAOptions(target=daemon.target, dir=str(shared), timeout=60))
+    hub = LoRAHub(FILES(target=daemon.target, dir=str(shared), timeout=60))
     with pytest.raises(AdapterUnavailable, match="other users can write") as caught:
         asyncio.run(hub.current("good"))
     assert caught.value.status == 500
     assert os.listdir(shared) == []
     # a private directory below it is no better: the branch can be renamed away
     (shared / "mine").mkdir(mode=0o700)
-    hub = LoRAHub(LoRAOptions(target=daemon.target, dir=str(shared / "mine"), timeout=60))
+    hub = LoRAHub(FILES(target=daemon.target, dir=str(shared / "mine"), timeout=60))
     with pytest.raises(AdapterUnavailable, match=f"other users can write {shared}"):
         asyncio.run(hub.current("good"))
     (shared / "mine").rmdir()
-    hub = LoRAHub(LoRAOptions(target=daemon.target, dir=str(shared), timeout=60))
+    hub = LoRAHub(FILES(target=daemon.target, dir=str(shared), timeout=60))
     shared.chmod(0o1777)  # sticky, as /tmp: no one else can replace what this user made
     got = asyncio.run(hub.current("good"))
     assert Path(got.path).parent.parent == shared

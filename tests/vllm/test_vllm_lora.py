@@ -17,7 +17,9 @@ The reference for every adapter is vLLM loading it from its own directory
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import threading
 import time
 import urllib.request
@@ -29,7 +31,11 @@ import pytest
 
 from bench.vllm_api import ApiServer
 from tests.vllm.lora_world import MAX_LORAS, World, running_world, server
+from weightd.client import WeightClient
 from weightd.client.api.admin import AdminClient
+from weightd.client.transports.local import local_stats
+from weightd.client.transports.selection import side_socket_path
+from weightd.vllm.lora.shared import shared_path
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
@@ -123,11 +129,41 @@ def base_name(s: ApiServer) -> str:
         return name
 
 
-def test_tp1_tokens_and_logprobs_equal_vllm_from_the_directory(tp1: ApiServer) -> None:
+def test_tp1_tokens_and_logprobs_equal_vllm_from_the_directory(
+    tp1: ApiServer, world: World
+) -> None:
     same_as_directory(tp1, "good")  # attention + MLP, rank_pattern
     # The adapter changes the output: the comparison is not vacuous.
     base = generate(tp1, base_name(tp1), PROMPTS[0])["tokens"]
     assert generate(tp1, "good", PROMPTS[0])["tokens"] != base
+    # Handed over through the daemon's shared pack: no private copy written, the worker
+    # mapped and verified the pack.
+    assert not (world.tmp / "copies-tp1").exists()
+    assert re.search(r"adapter 'good' version \d+ mapped from the daemon's pack", tp1.log())
+
+
+def test_lora_model_from_the_shared_pack_equals_vllms_from_the_directory(
+    world: World, vllm_python: Path
+) -> None:
+    """No engine: vLLM's own ``_load_adapter`` steps, through the wrapped class methods."""
+    assert world.daemon is not None
+    status = WeightClient(world.daemon.target, timeout=60).resolve_adapter("good", load=True)
+    path = shared_path("good", status.version, status.digest)
+    env = dict(os.environ, WEIGHTD_LORA=json.dumps({"target": world.daemon.target}))
+    script = Path(__file__).with_name("lora_model_check.py")
+    done = subprocess.run(
+        [str(vllm_python), str(script), path, str(world.dirs["good"])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["modules"] > 0 and got["differ"] == [] and got["extra"] == []
+    assert got["ranks"] == [4, 8]  # rank_pattern kept: PEFT's config, byte for byte
+    assert got["views"] > 0  # zero copy: lora_a still views the daemon's pack
 
 
 @pytest.mark.parametrize(
@@ -233,10 +269,11 @@ def test_tp1_single_flight(tp1: ApiServer, world: World) -> None:
     assert metric(world, "weightd_adapter_loads_total") == loads + 1
     assert len({g["model"] for g in got}) == 1 and len({tuple(g["tokens"]) for g in got}) == 1
     assert got[0]["tokens"] == generate(tp1, "ref-sf", PROMPTS[0])["tokens"]
-    # One private copy and one vLLM load for all 16.
+    # One hand-over and one vLLM load for all 16.
     log = tp1.log()
-    for what in ("verified and written", "serves new requests"):
-        assert len(re.findall(rf"adapter 'sf' version \d+ \(sha256:\w+\) {what}", log)) == 1
+    for what in (": vLLM's workers map the daemon's pack", " serves new requests"):
+        assert len(re.findall(rf"adapter 'sf' version \d+ \(sha256:\w+\){what}", log)) == 1
+    assert len(re.findall(r"adapter 'sf' version \d+ mapped from the daemon's pack", log)) == 1
 
 
 def test_tp1_adapter_from_an_s3_root(tp1: ApiServer) -> None:
@@ -257,9 +294,21 @@ def test_tp1_more_adapters_than_max_loras(tp1: ApiServer) -> None:
 # --- TP=2: the resolver route -----------------------------------------------------------
 
 
-def test_tp2_tokens_and_logprobs_equal_vllm_from_the_directory(tp2: ApiServer) -> None:
+def test_tp2_tokens_and_logprobs_equal_vllm_from_the_directory(
+    tp2: ApiServer, world: World
+) -> None:
     same_as_directory(tp2, "good")
     assert "Resolved and loaded LoRA adapter 'good' using WeightdLoRAResolver" in tp2.log()
+    # Both ranks map the one pack of the whole adapter on this host (vLLM's LoRA layers
+    # cut per rank), each holding its lease while its adapter cache keeps the adapter,
+    # beside the API server's own (it keeps the version while vLLM may load it again);
+    # no file is written.
+    assert world.daemon is not None
+    side = side_socket_path(world.daemon.target)
+    assert side is not None
+    packs = [p for p in local_stats(side).packs if p.adapter == "good"]
+    assert [(p.layout.tp_size, p.layout.tp_rank, p.leases) for p in packs] == [(1, 0, 3)]
+    assert not (world.tmp / "copies-tp2").exists()
 
 
 def test_tp2_resolver_refusal_is_a_clear_http_error(tp2: ApiServer) -> None:

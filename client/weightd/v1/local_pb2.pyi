@@ -119,6 +119,7 @@ class AcquirePack(_message.Message):
     SLICE_DIGESTS_FIELD_NUMBER: _builtins.int
     NO_WAIT_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    ADAPTER_VERSION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """empty: the daemon's only model"""
     placement: Global___Placement.ValueType
@@ -138,6 +139,11 @@ class AcquirePack(_message.Message):
     """The model version (VersionInfo.version); 0: the current one. A daemon that
     predates the field ignores it: a client that asked for a version checks
     PackGrant.version.
+    """
+    adapter_version: _builtins.int
+    """--- vLLM LoRA hand-over without a stream (issue 45 point 4).
+    With `adapter`: that version of the adapter (current or retired, while held),
+    not the current one; 0: the current one. Refused with NOT_FOUND once it is gone.
     """
     @_builtins.property
     def layout(self) -> _weightd_pb2.Layout: ...
@@ -165,10 +171,11 @@ class AcquirePack(_message.Message):
         slice_digests: _abc.Iterable[_builtins.str] | None = ...,
         no_wait: _builtins.bool = ...,
         version: _builtins.int = ...,
+        adapter_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "names", b"names", "no_wait", b"no_wait", "placement", b"placement", "slice_digests", b"slice_digests", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_version", b"adapter_version", "gpu_uuid", b"gpu_uuid", "layout", b"layout", "model", b"model", "names", b"names", "no_wait", b"no_wait", "placement", b"placement", "slice_digests", b"slice_digests", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -387,6 +387,8 @@ class AdapterInfo(_message.Message):
     DIGEST_FIELD_NUMBER: _builtins.int
     BASE_MODEL_FIELD_NUMBER: _builtins.int
     SCALING_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    WEIGHTS_SHA256_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     version: _builtins.int
     """unique and increasing across the daemon's life"""
@@ -394,6 +396,14 @@ class AdapterInfo(_message.Message):
     """"sha256:<hex>": see adapters/load.py adapter_digest"""
     base_model: _builtins.str
     """the served model it applies to"""
+    config: _builtins.bytes
+    """--- vLLM LoRA hand-over without a stream (issue 45 point 4): set only in a
+    side-channel grant of an adapter pack (PackGrant.adapter), so a same-host engine
+    builds its adapter from the pack without reading PEFT's files.
+    adapter_config.json exactly as the daemon verified it
+    """
+    weights_sha256: _builtins.str
+    """adapter_model.safetensors' SHA-256 hex (with config's: digest)"""
     @_builtins.property
     def scaling(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """module -> lora_alpha / r (rsLoRA: / sqrt(r))"""
@@ -406,10 +416,12 @@ class AdapterInfo(_message.Message):
         digest: _builtins.str = ...,
         base_model: _builtins.str = ...,
         scaling: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        config: _builtins.bytes = ...,
+        weights_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "digest", b"digest", "name", b"name", "scaling", b"scaling", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "config", b"config", "digest", b"digest", "name", b"name", "scaling", b"scaling", "version", b"version", "weights_sha256", b"weights_sha256"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,7 +34,9 @@ def _register_lora() -> None:
 
     if ENV in os.environ:
         # Read now: a mistake in it stops vLLM's start with one line, not each request.
-        parse_lora_options(os.environ[ENV])
+        options = parse_lora_options(os.environ[ENV])
         from .lora.resolver import register_resolver
+        from .lora.worker import install
 
         register_resolver()
+        install(options)  # workers: a version named by a shared path comes from the daemon's pack

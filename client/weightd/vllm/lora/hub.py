@@ -1,38 +1,40 @@
-"""The API-server side of weightd LoRA in vLLM: a name → the verified version's private copy.
+"""The API-server side of weightd LoRA in vLLM: a name → a verified version vLLM can load.
 
-vLLM loads a LoRA adapter from a directory (``LoRARequest.lora_path``): every worker
-reads ``adapter_config.json`` and ``adapter_model.safetensors`` there
+vLLM loads a LoRA adapter named by a path (``LoRARequest.lora_path``) in every worker
 (``WorkerLoRAManager._load_adapter``), at a step of the engine loop where a failure
 would stop the engine. So the weightd side does everything that can fail *before*
 vLLM sees the adapter, in the API server process, where a failure is an HTTP error:
 
 1. ``ResolveAdapter``: the daemon's current version of the name (loaded from its
    roots on request, when its operator allows that name);
-2. ``FetchAdapterFiles``: that version's two files exactly as the daemon verified
-   them, written as they arrive into a new private directory (0700, this user's; files
-   0400) and hashed on the way; the directory is renamed into place, named after the
-   version (``<dir>/<name>@v<version>-<digest prefix>``), only when they give the
-   version's digest (the one an operator pins). Nothing of it stays in memory here.
+2. the hand-over, one of two:
 
-**Why a private copy, not tensors handed to ``LoRAModel.from_lora_tensors``:** vLLM
-has no hook for a worker to take tensors from anywhere but that path (the loader
-class is fixed in ``LoRAModelRunnerMixin.load_lora_model``), so tensors would mean
-patching vLLM's worker internals, and a daemon call inside the engine loop, where an
-unreachable daemon kills the engine instead of failing one request. The copy is made
-from bytes checked against the digest the daemon verified, in a directory only the
-engine's user can write (who can also write the engine's memory: no new trust), and
-vLLM's own code reads it, so PEFT's settings (rank, alpha, ``rank_pattern``,
-``alpha_pattern``, rsLoRA, target modules) are the daemon's verified
-``adapter_config.json``, byte for byte, not rebuilt. Cost: one write of the adapter
-per version per API server, and each worker reads the whole file (as vLLM always
-does); the daemon's per-rank slices and shared packs are not used by vLLM's LoRA.
+   * **shared** (``handover: auto`` and the daemon's side socket on this host, the
+     default there): the daemon's sealed pack of the version is leased here (built
+     now, its config and digest checked: :func:`.shared.hold_pack`) and vLLM gets a
+     path that *names* the version (:func:`.shared.shared_path`); each worker maps
+     that one pack and builds the adapter from it (:mod:`.worker`). Nothing is
+     written, no byte is streamed, and one copy per host serves every engine and
+     rank. This hub's lease keeps the version in the daemon as long as a private
+     copy would stay (below), so a worker loading it again later finds it.
+   * **files** (another host, or ``handover: files``): ``FetchAdapterFiles``, the
+     version's two files exactly as the daemon verified them, written as they arrive
+     into a new private directory (0700, this user's; files 0400) and hashed on the
+     way; the directory is renamed into place, named after the version
+     (``<dir>/<name>@v<version>-<digest prefix>``), only when they give the version's
+     digest (the one an operator pins). vLLM's own loader reads it; whoever can write
+     that directory can also write the engine's memory (no new trust). Cost: one
+     write per version per API server, read again by every worker.
+
+Either way PEFT's settings (rank, alpha, ``rank_pattern``, ``alpha_pattern``, rsLoRA,
+target modules) are the daemon's verified ``adapter_config.json``, byte for byte.
 
 **The version is in what vLLM keys on.** ``lora_name`` is ``<name>@v<version>`` and
-``lora_path`` the version's directory: vLLM's prefix cache keys a LoRA request's
-blocks on ``(lora_name, lora_path)`` (``v1/core/kv_cache_utils.py``), so blocks of
-one version are never reused for another; and two versions of one adapter in one
-batch stay two adapters (vLLM's worker collects the batch's adapters in a set keyed
-by ``lora_name``: two versions under one name would collapse into one).
+``lora_path`` names the version (and its digest): vLLM's prefix cache keys a LoRA
+request's blocks on ``(lora_name, lora_path)`` (``v1/core/kv_cache_utils.py``), so
+blocks of one version are never reused for another; and two versions of one adapter
+in one batch stay two adapters (vLLM's worker collects the batch's adapters in a set
+keyed by ``lora_name``: two versions under one name would collapse into one).
 
 Concurrent requests for one name share one daemon round trip and one preparation
 (single-flight per name, on top of the daemon's own per-name single-flight).
@@ -63,6 +65,15 @@ from weightd.common.digests import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ad
 from ..share.identity import compare
 from .options import ENV, LoRAOptions, parse_lora_options
 from .refusals import not_written, refused, unavailable
+from .shared import (
+    PREFIX,
+    Closable,
+    NoSharedConfig,
+    SharedVersion,
+    hold_pack,
+    shared_path,
+    side_channel,
+)
 
 log = logging.getLogger("vllm.weightd.lora")
 
@@ -71,17 +82,18 @@ _PLAIN: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
 
 @dataclass(frozen=True)
 class AdapterCopy:
-    """One adapter version's private copy, verified and written, ready for vLLM to load.
-
-    Not the daemon's prepared packs: this is the API server's own directory of the
-    version's two files (see the module docstring).
-    """
+    """One adapter version ready for vLLM to load: ``path`` is its private copy (the
+    ``files`` hand-over) or names the daemon's pack of it (``shared``; see the module
+    docstring)."""
 
     name: str
     version: int
     digest: str
     path: str
     prepared_seconds: float = 0.0  # fetching and writing it, 0 when it was ready
+    #: ``path`` names the version for the workers to map from the daemon's pack
+    #: (:mod:`.shared`): no directory, nothing written here.
+    shared: bool = False
 
     @property
     def lora_name(self) -> str:
@@ -118,6 +130,11 @@ class LoRAHub:
     _paths: dict[str, int] = field(default_factory=dict)
     _seq: int = 0
     _pending: dict[str, asyncio.Future[AdapterCopy]] = field(default_factory=dict)
+    #: The side-channel lease on each shared version's pack this hub handed out (path ->
+    #: its connection), ended when the version's path is let go (as a copy is removed).
+    _leases: dict[str, Closable] = field(default_factory=dict)
+    #: The daemon's grants carry no adapter config: files from then on.
+    _old_daemon: bool = False
     #: vLLM's base model directory -> "" (it is the daemon's model) or why not.
     _bases: dict[str, str] = field(default_factory=dict)
     #: What asking again while the daemon loads an adapter cost.
@@ -149,8 +166,22 @@ class LoRAHub:
             status = self._resolve(client, name)
             ready = self._ready.get((name, status.version))
             if ready is not None and ready.digest == status.digest:
-                self.root()  # still ours and private: what it holds is what was verified
+                if not ready.shared:
+                    self.root()  # still ours and private: what it holds is what was verified
                 return ready
+            if o.handover == "auto" and not self._old_daemon and side_channel(o.target):
+                # Same host: the workers map the daemon's sealed pack (no file written);
+                # this hub's lease keeps the version while vLLM may load it again.
+                started = time.monotonic()
+                wanted = SharedVersion(status.name, status.version, status.digest)
+                try:
+                    lease = hold_pack(o.target, wanted, timeout=o.timeout, max_bytes=o.max_bytes)
+                except NoSharedConfig as exc:
+                    log.warning("weightd: %s; adapters are handed over as files", exc.detail)
+                    self._old_daemon = True
+                else:
+                    path = shared_path(status.name, status.version, status.digest)
+                    return self._publish(status, path, time.monotonic() - started, lease=lease)
         except WeightdError as exc:
             raise unavailable(name, o.target, exc) from None
         except OSError as exc:
@@ -261,15 +292,33 @@ class LoRAHub:
             raise
         return final
 
-    def _publish(self, status: AdapterStatus, final: str, seconds: float) -> AdapterCopy:
-        prepared = AdapterCopy(status.name, status.version, status.digest, final, seconds)
+    def _publish(
+        self, status: AdapterStatus, final: str, seconds: float, *, lease: Closable | None = None
+    ) -> AdapterCopy:
+        shared = lease is not None
+        prepared = AdapterCopy(status.name, status.version, status.digest, final, seconds, shared)
         with self._lock:
+            if lease is not None:
+                old = self._leases.pop(final, None)
+                if old is not None:
+                    old.close()
+                self._leases[final] = lease
             self._ready[(status.name, status.version)] = prepared
             self._seq += 1
             self._paths[final] = self._seq
             expired = self._expired()
         for gone in expired:
-            _remove_tree(gone)
+            self._let_go(gone)
+        if shared:
+            log.info(
+                "weightd: adapter %r version %d (%s): vLLM's workers map the daemon's pack "
+                "(leased and checked in %.3f s)",
+                status.name,
+                status.version,
+                status.digest,
+                seconds,
+            )
+            return prepared
         log.info(
             "weightd: adapter %r version %d (%s) verified and written to %s in %.3f s",
             status.name,
@@ -294,6 +343,15 @@ class LoRAHub:
             self._paths.pop(path, None)
         return gone
 
+    def _let_go(self, path: str) -> None:
+        """Remove a private copy, or end the lease on a shared version's pack."""
+        with self._lock:
+            lease = self._leases.pop(path, None)
+        if lease is not None:
+            lease.close()
+        elif not path.startswith(PREFIX):
+            _remove_tree(path)
+
     def owns(self, path: str) -> bool:
         """Whether ``path`` is a private copy this hub made (so its entry is weightd's)."""
         return path in self._paths
@@ -316,7 +374,7 @@ class LoRAHub:
                     del self._ready[key]
             expired = self._expired()
         for gone in expired:
-            _remove_tree(gone)
+            self._let_go(gone)
 
 
 class UnsafeDirectory(OSError):

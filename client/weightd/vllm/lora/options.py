@@ -14,7 +14,11 @@ daemon's default socket) or a JSON object with the keys (all optional):
   another one, for requests still using it (default 3600);
 * ``timeout``: seconds per daemon call (default 60; a load from object storage
   counts in it);
-* ``max_bytes``: the largest adapter (both files) accepted (default 4 GiB).
+* ``max_bytes``: the largest adapter (both files) accepted (default 4 GiB);
+* ``handover``: how vLLM's workers get a verified version: ``"auto"`` (default: where
+  the daemon's side socket is on this host, they map its sealed pack of the version,
+  no file written: :mod:`.shared`; else the private copy in ``dir``) or ``"files"``
+  (always the private copy).
 
 An unknown key or a value of the wrong type is refused: a typo must not silently turn
 a setting off. vLLM's own switches (``--enable-lora``, ``--max-lora-rank``, ...) stay
@@ -31,7 +35,17 @@ from ..errors import SettingsError
 from ..settings import Settings
 
 ENV: Final = "WEIGHTD_LORA"
-_KEYS: Final = ("target", "model", "load", "dir", "retain_seconds", "timeout", "max_bytes")
+_KEYS: Final = (
+    "target",
+    "model",
+    "load",
+    "dir",
+    "retain_seconds",
+    "timeout",
+    "max_bytes",
+    "handover",
+)
+HANDOVERS: Final = ("auto", "files")
 #: The largest adapter accepted unless told: the daemon's own weights and config limits.
 MAX_BYTES: Final = (4 << 30) + (4 << 20)
 
@@ -47,6 +61,7 @@ class LoRAOptions:
     retain_seconds: float = 3600.0
     timeout: float = 60.0
     max_bytes: int = MAX_BYTES
+    handover: str = "auto"
 
 
 def parse_lora_options(text: str | None) -> LoRAOptions:
@@ -74,4 +89,5 @@ def parse_lora_options(text: str | None) -> LoRAOptions:
         retain_seconds=s.seconds("retain_seconds", 3600.0, zero=True, most=None),
         timeout=s.seconds("timeout", 60.0),
         max_bytes=s.count("max_bytes", MAX_BYTES),
+        handover=s.choice("handover", HANDOVERS, "auto"),
     )

@@ -165,6 +165,8 @@ def answer(boot_id: str, lease: Held, names: list[str], accepted: Sequence[str] 
                 digest=tag.digest,
                 base_model=tag.base_model,
                 scaling=dict(tag.scaling),
+                config=tag.config,
+                weights_sha256=tag.weights_sha256,
             )
         )
     if isinstance(pack, HostPack):

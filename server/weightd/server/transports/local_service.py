@@ -352,7 +352,11 @@ class PackService:
         check_tp_only(layout)
         adapters = self.adapters
         ws, rank = req.layout.tp_size, req.layout.tp_rank
-        version = adapters.registry.hold(req.adapter)
+        registry = adapters.registry
+        if req.adapter_version:  # the version an engine was given, while it is held
+            version = registry.hold_version(req.adapter, req.adapter_version)
+        else:
+            version = registry.hold(req.adapter)
         try:
             v = version.version
             plan = adapters.plan(v, layout)
