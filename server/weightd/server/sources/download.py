@@ -3,7 +3,7 @@
 Bounded: at most ``concurrency`` GETs in flight, each reading its body in pieces of
 at most ``read_chunk`` bytes written straight to the file with ``pwrite`` at the
 range's offset, so memory is ``concurrency x read_chunk`` whatever the model's size.
-Each range is pinned to the object's ETag (see :meth:`S3Store.get_range`) and must
+Each range is pinned to the object's ETag (see :meth:`S3Store.get_range_into`) and must
 deliver exactly its length. Finished ranges go into the journal after an fdatasync;
 a file whose ranges are all done is fsynced, checked by the caller's ``check_file``
 (digests) and only then renamed from ``NAME.part`` to ``NAME``. The first failure
@@ -97,8 +97,8 @@ class _File:
     dirty: bool = False  # ranges finished since the last fdatasync
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    view = data
     while view:
         n = os.pwrite(fd, view, offset)
         view = view[n:]
@@ -151,29 +151,32 @@ class Download:
         offset = start
         s = self.settings
         uri = self.location.object_uri(f.obj.name)
-        pieces = self.store.get_range(
+        # This GET's own buffer: each piece is read into it and written from it, no
+        # buffer made and copied per piece.
+        buffer = memoryview(bytearray(max(1, min(s.read_chunk, end - start))))
+        pieces = self.store.get_range_into(
             self.location,
             f.obj,
             start,
             end,
-            s.read_chunk,
+            buffer,
             pace=self.throttle.reserve,
             cancel=self.cancel,
         )
-        for piece in pieces:
+        for n in pieces:
             if self.stop.is_set():
                 raise _Stopped
-            if offset + len(piece) > end:  # get_range never yields more; kept as a guard
+            if offset + n > end:  # get_range_into never yields more; kept as a guard
                 raise ObjectTruncated(
                     uri, f"range [{start}, {end}) sent more than {end - start} bytes"
                 )
             try:
-                _pwrite_all(f.fd, piece, offset)
+                _pwrite_all(f.fd, buffer[:n], offset)
             except OSError as exc:  # ENOSPC, EDQUOT, EIO: typed, naming the cache file
                 raise write_error(f.part_path, exc) from None
-            offset += len(piece)
+            offset += n
             with self._lock:
-                self.fetched += len(piece)
+                self.fetched += n
         if offset != end:
             raise ObjectTruncated(
                 uri,

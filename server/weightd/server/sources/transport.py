@@ -30,6 +30,7 @@ rather than run unbounded.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import socket
 import threading
 import time
@@ -241,6 +242,34 @@ class BoundedBody:
         self._budget.check()
         self._budget.count(len(piece))
         return piece
+
+    def readinto(self, b: Any) -> int:
+        """As :meth:`read`, straight into ``b`` (the download's own buffer, reused): no
+        buffer made, filled and copied per piece. Through the HTTP response the body
+        came on (the one urllib3 wraps), whose length bookkeeping ends the body; once it
+        is whole the connection goes back to the pool, as urllib3 would return it."""
+        view = memoryview(b).cast("B")
+        want = min(self._budget.piece_bytes, len(view))
+        self._budget.check()
+        response = getattr(self._raw, "_fp", None)
+        if not isinstance(response, http.client.HTTPResponse):  # another HTTP layer
+            piece = self._raw.read(want)
+            n = len(piece)
+            view[:n] = piece
+        else:
+            try:
+                n = response.readinto(view[:want])
+            except (OSError, http.client.HTTPException) as exc:
+                self._budget.check()  # the watchdog closed it: its reason, not this one
+                from urllib3.exceptions import ProtocolError
+
+                # What urllib3 raises for a broken body; botocore and classify() map it.
+                raise ProtocolError(f"Connection broken: {exc!r}", exc) from None
+            if n and response.isclosed():
+                self._raw.release_conn()
+        self._budget.check()
+        self._budget.count(n)
+        return n
 
     def readable(self) -> bool:
         return True
