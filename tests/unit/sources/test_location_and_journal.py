@@ -3,6 +3,7 @@ version fingerprints and the failure-reason table."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def test_one_get_fetches_consecutive_parts_of_one_file_bounded() -> None:
     assert [p for span in got for p in span] == parts
     for span in got:
         assert len({f for f, _ in span}) == 1
-        assert all(x[1][1] == y[1][0] for x, y in zip(span, span[1:], strict=False))
+        assert all(x[1][1] == y[1][0] for x, y in itertools.pairwise(span))
         assert span[-1][1][1] - span[0][1][0] <= MAX_SPAN_BYTES
     assert len(got) >= 8
     assert max(len(span) for span in got) == 4  # 39 parts, 4 GETs at once: 4 a GET
