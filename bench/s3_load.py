@@ -93,7 +93,9 @@ def _metric(url: str, name: str) -> float:
     return 0.0
 
 
-def run_weightd(endpoint: str, work: Path, extra: list[str], trust_key: Path) -> tuple[float, int]:
+def run_weightd(
+    endpoint: str, work: Path, extra: list[str], trust_key: Path
+) -> tuple[float, int, float | None]:
     # tests.health, not tests.conftest: no pytest needed to run the benchmark.
     from tests.health import listening_address, wait_serving
 
@@ -122,6 +124,7 @@ def run_weightd(endpoint: str, work: Path, extra: list[str], trust_key: Path) ->
         "127.0.0.1:0",
         "--watch-interval",
         "0",
+        *extra,
     ]
     start = time.monotonic()
     with open(log, "w") as out:
@@ -141,8 +144,11 @@ def run_weightd(endpoint: str, work: Path, extra: list[str], trust_key: Path) ->
         verify = re.search(r"verified model=b .*? seconds=([0-9.]+)", text)
         hashed = re.search(r"hashed b: .*", text)
         print(f"  weightd timeline (s after its start event): {_timeline(text)}", flush=True)
+        cpu = re.search(r"download phase=done source=b .*? process_cpu_s=([0-9.]+)", text)
+        download_cpu = float(cpu.group(1)) if cpu else None
         print(
-            f"  weightd: download {download.group(1) if download else '?'} s, "
+            f"  weightd: download {download.group(1) if download else '?'} s "
+            f"({download_cpu if download_cpu is not None else '?'} CPU-s), "
             f"verify {verify.group(1) if verify else '?'} s, "
             f"local pass: {hashed.group(0) if hashed else 'none (digests from the download)'}",
             flush=True,
@@ -151,7 +157,7 @@ def run_weightd(endpoint: str, work: Path, extra: list[str], trust_key: Path) ->
         proc.terminate()
         proc.wait(60)
         shutil.rmtree(work / "cache", ignore_errors=True)
-    return seconds, fetched
+    return seconds, fetched, download_cpu
 
 
 def _timeline(log: str) -> dict[str, float]:
@@ -377,7 +383,21 @@ def main() -> None:
                 "store_cpu_s": statistics.median(c["store_s"] for c in cpu),
             }
     results["summary"] = summary
+    # The download's own CPU, without the daemon's start (its interpreter, imports and
+    # servers), which an in-process stream does not pay: the per-byte comparison.
+    download_cpu = [r["weightd"][2] for r in results["rounds"] if "weightd" in r]
+    if "weightd" in summary and None not in download_cpu:
+        summary["weightd"]["download_cpu_s"] = statistics.median(download_cpu)
     if "weightd" in summary:
+        for who in ("single", "single-checked"):
+            if who in summary:
+                summary[f"weightd_cpu_over_{who}"] = (
+                    summary["weightd"]["client_cpu_s"] / summary[who]["client_cpu_s"]
+                )
+                if "download_cpu_s" in summary["weightd"]:
+                    summary[f"weightd_download_cpu_over_{who}"] = (
+                        summary["weightd"]["download_cpu_s"] / summary[who]["client_cpu_s"]
+                    )
         for who in ("runai", "single", "single-checked"):
             if who in summary:
                 summary[f"{who}_over_weightd"] = (

@@ -11,6 +11,7 @@ from weightd.server.base import errors
 from weightd.server.sources.bounds import StoreBounds, body_bytes
 from weightd.server.sources.location import S3Location
 from weightd.server.sources.s3 import RemoteObject, S3Store, listed_object
+from weightd.server.sources.transport import Budget
 
 B = StoreBounds(min_bytes_per_second=1000, rate_grace_seconds=10, request_seconds=5)
 LOC = S3Location("models", "m/")
@@ -37,6 +38,30 @@ def test_a_range_ends_at_the_latest_after_grace_plus_size_over_rate() -> None:
     assert B.range_seconds(0) == 10 and B.range_seconds(5000) == 15
     assert not B.too_slow(B.range_seconds(5000), 5000)
     assert body_bytes(100, 200) == 100
+
+
+@pytest.mark.parametrize(
+    ("rate", "grace", "piece"),
+    [
+        (64 << 10, 30.0, 960 << 10),  # the defaults: 960 KiB, half the grace's due
+        (1 << 20, 30.0, 1 << 20),  # never more than 1 MiB gathered
+        (256 << 10, 2.0, 256 << 10),  # tight bounds: counted every 256 KiB
+        (1000, 1.0, 64 << 10),  # never less than 64 KiB
+    ],
+)
+def test_a_body_is_counted_in_pieces_of_at_most_half_the_rate_due_in_the_grace(
+    rate: int, grace: float, piece: int
+) -> None:
+    """The count of a body may lag its socket by one piece: at most half of what the
+    grace window asks, so a store that keeps the minimum rate is never ended as slower
+    (past the grace it owes rate x elapsed, and is counted at least that less a piece)."""
+    bounds = StoreBounds(min_bytes_per_second=rate, rate_grace_seconds=grace)
+    budget = Budget("s3://b/k", "range", seconds=60, max_bytes=1 << 30, rate=bounds)
+    assert budget.piece_bytes == piece
+    if piece < 1 << 20 and piece > 64 << 10:
+        assert piece * 2 <= rate * grace
+    unrated = Budget("s3://b/k", "HEAD", seconds=5, max_bytes=64 << 10)
+    assert unrated.piece_bytes == 1 << 20
 
 
 @pytest.mark.parametrize(

@@ -559,6 +559,9 @@ class SourceResolver:
         if not self.options.cache_dir:
             raise UsageError(f"{location.uri}: remote sources need a cache directory (--cache-dir)")
         started = time.monotonic()
+        # The process's CPU while it downloads (every thread: GETs, checks, journal; other
+        # loads running at once too): what a download costs the host, beside its time.
+        started_cpu = time.process_time()
         fetched = [0]  # what this download received, failed or not (set by _download)
         try:
             if expected is None and manifest is not None:
@@ -592,6 +595,7 @@ class SourceResolver:
             files=len(objects),
             bytes=fetched[0],
             seconds=seconds,
+            process_cpu_s=time.process_time() - started_cpu,
             directory=directory,
         )
         return directory, fetched[0], source_dir

@@ -423,8 +423,26 @@ class S3Store:
         cancel: threading.Event | None = None,
     ) -> Iterator[bytes]:
         """Bytes ``[start, end)`` of the pinned version of ``obj``, in pieces of at most
-        ``chunk`` bytes, never more than ``end - start`` in all (memory stays bounded
-        whatever the range or the store).
+        ``chunk`` bytes, each its own ``bytes`` (see :meth:`get_range_into`)."""
+        buffer = memoryview(bytearray(max(1, min(chunk, end - start))))
+        for n in self.get_range_into(location, obj, start, end, buffer, pace=pace, cancel=cancel):
+            yield bytes(buffer[:n])
+
+    def get_range_into(
+        self,
+        location: S3Location,
+        obj: RemoteObject,
+        start: int,
+        end: int,
+        buffer: memoryview,
+        *,
+        pace: Callable[[int], float] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[int]:
+        """Bytes ``[start, end)`` of the pinned version of ``obj``, read into ``buffer``
+        piece by piece: each yield says how many bytes of it the piece holds (valid until
+        the next one), never more than ``end - start`` in all (memory stays bounded
+        whatever the range or the store: the caller's buffer).
 
         Pinned twice: ``If-Match`` with the ETag seen at the start (the store answers
         412 when it changed), and the answer itself must prove its version: the pinned
@@ -459,7 +477,7 @@ class S3Store:
                 self._check_answer(uri, obj, start, end, response)
                 while True:
                     try:
-                        piece = body.read(chunk)
+                        n = body.readinto(buffer)
                     except WeightdError:
                         raise
                     except Exception as exc:
@@ -468,17 +486,17 @@ class S3Store:
                         if typed is None:
                             raise
                         raise typed from None
-                    if not piece:
+                    if not n:
                         budget.check()
                         return
                     if pace is not None:
                         # Booked before the wait: the watchdog must not take the
                         # daemon's own throttle for a slow store.
-                        delay = pace(len(piece))
+                        delay = pace(n)
                         budget.pause(delay)
                         if delay > 0:
                             time.sleep(delay)
-                    yield piece
+                    yield n
             finally:
                 body.close()
         finally:

@@ -30,6 +30,7 @@ rather than run unbounded.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import socket
 import threading
 import time
@@ -48,8 +49,10 @@ from .bounds import MAX_ERROR_BYTES, StoreBounds
 
 #: Seconds between two looks of the watchdog at the open budgets.
 TICK_SECONDS: Final = 0.1
-#: Bytes asked of one ``read1`` (one ``recv`` at most).
+#: Most bytes one read of an answer gathers before they are counted.
 _READ1: Final = 1 << 20
+#: Fewest: a body's piece is never cut below this for the sake of the rate's accounting.
+_MIN_PIECE: Final = 64 << 10
 
 _current = threading.local()
 
@@ -90,6 +93,14 @@ class Budget:
         self.failure: ObjectStoreError | None = None
         self._lock = threading.Lock()
         self._conns: list[Any] = []
+        #: Bytes a body read gathers before it counts them (:class:`BoundedBody`): the
+        #: count may lag the socket by this much, so it is at most half of what the rate
+        #: asks within the grace window, and a store that keeps the minimum rate is never
+        #: taken for a slower one.
+        self.piece_bytes = _READ1
+        if rate is not None:
+            half = int(rate.min_bytes_per_second * rate.rate_grace_seconds / 2)
+            self.piece_bytes = max(_MIN_PIECE, min(_READ1, half))
 
     def pause(self, seconds: float) -> None:
         """``seconds`` spent waiting for the daemon's own throttle: not the store's time."""
@@ -209,25 +220,56 @@ class _Watchdog:
 
 class BoundedBody:
     """A GET's body as botocore's ``StreamingBody`` reads it: never more than the budget's
-    cap, every byte counted towards the rate as it arrives (one ``recv`` at a time)."""
+    cap, every byte counted towards the rate within ``Budget.piece_bytes`` of its
+    arrival."""
 
     def __init__(self, raw: Any, budget: Budget) -> None:
         self._raw = raw
         self._budget = budget
 
     def read(self, amt: int | None = None) -> bytes:
-        """At most ``amt`` bytes, and what one ``recv`` gave: a short read is a read (the
-        caller asks again), and nothing is copied to gather a full one."""
+        """At most ``amt`` bytes: a piece of up to the budget's piece size, gathered by
+        the HTTP layer's own loop (not one Python round trip per ``recv``: a reader that
+        keeps up with a fast store gets each ``recv`` in tens of KiB), then counted; short
+        at the end of the body, or when the watchdog closed the connection."""
         if amt is None or amt < 0:  # everything: gathered, under the same cap
             out = bytearray()
             while part := self.read(_READ1):
                 out += part
             return bytes(out)
         self._budget.check()
-        piece: bytes = self._raw.read1(min(_READ1, amt))
+        piece: bytes = self._raw.read(min(self._budget.piece_bytes, amt))
         self._budget.check()
         self._budget.count(len(piece))
         return piece
+
+    def readinto(self, b: Any) -> int:
+        """As :meth:`read`, straight into ``b`` (the download's own buffer, reused): no
+        buffer made, filled and copied per piece. Through the HTTP response the body
+        came on (the one urllib3 wraps), whose length bookkeeping ends the body; once it
+        is whole the connection goes back to the pool, as urllib3 would return it."""
+        view = memoryview(b).cast("B")
+        want = min(self._budget.piece_bytes, len(view))
+        self._budget.check()
+        response = getattr(self._raw, "_fp", None)
+        if not isinstance(response, http.client.HTTPResponse):  # another HTTP layer
+            piece = self._raw.read(want)
+            n = len(piece)
+            view[:n] = piece
+        else:
+            try:
+                n = response.readinto(view[:want])
+            except (OSError, http.client.HTTPException) as exc:
+                self._budget.check()  # the watchdog closed it: its reason, not this one
+                from urllib3.exceptions import ProtocolError
+
+                # What urllib3 raises for a broken body; botocore and classify() map it.
+                raise ProtocolError(f"Connection broken: {exc!r}", exc) from None
+            if n and response.isclosed():
+                self._raw.release_conn()
+        self._budget.check()
+        self._budget.count(n)
+        return n
 
     def readable(self) -> bool:
         return True
