@@ -36,8 +36,10 @@ def test_pack_holds_exactly_the_verified_slices(demo_model: Path, huge_mode: str
             mode = shmem_mode() if huge_mode is None else huge_mode
             thp = os.path.exists(SHMEM_ENABLED)
             if mode == "never":
-                # Collapsed by the daemon: the grant's claim must be what the kernel did,
-                # as a client's aligned, populated mapping sees it (smaps).
+                # Collapsed by the daemon after the build, in the background: once that
+                # ended, the grant's claim must be what the kernel did, as a client's
+                # aligned, populated mapping sees it (smaps).
+                assert pack.settled.wait(120)
                 assert pack.huge is (2 * pmd_mapped_bytes(pack.fd, pack.size) >= pack.size)
             else:
                 want = mode in ("always", "within_size", "force") or (mode == "advise" and thp)
@@ -87,5 +89,19 @@ def test_bytes_that_are_not_the_verified_ones_are_never_published(
         with pytest.raises(DataIntegrityError, match="bytes read into the packs hash to"):
             build_host_pack(model, plan, "test:tp2:r0")
         assert _open_fds() == before  # the memfd and its mappings are gone
+    finally:
+        model.store.close()
+
+
+def test_a_pack_freed_during_its_huge_page_upgrade_leaves_nothing_open(demo_model: Path) -> None:
+    """The upgrade runs on a duplicate descriptor: freeing the pack (eviction, shutdown)
+    right after the build stops it, and once it has settled no descriptor is left."""
+    model = load_model(str(demo_model))
+    try:
+        before = _open_fds()
+        pack = build_host_pack(model, model.plan(1, 0), "test:tp1:r0", huge_mode="never")
+        pack.close()
+        assert pack.settled.wait(120)
+        assert _open_fds() == before
     finally:
         model.store.close()

@@ -14,13 +14,20 @@ setting):
   ``MADV_POPULATE_WRITE``, which fails with an error, never SIGBUS, when memory runs
   out);
 * ``never`` (most distributions' default, and this machine's): the pack is collapsed
-  into huge pages before it is filled (``MADV_COLLAPSE``, Linux 6.1+), which the
-  kernel documents as independent of the sysfs setting: it is how a process asks for
-  huge pages where the host did not opt in. Each 2 MiB block of the empty pack gets
-  one written page first (the kernel refuses to collapse a block that has none),
-  then the collapse allocates a zeroed 2 MiB page around it: no data is copied.
-  Blocks the kernel cannot collapse (no free 2 MiB page, an older kernel: EINVAL)
-  keep 4 KiB pages; ``posix_fallocate`` then allocates whatever is left;
+  into huge pages (``MADV_COLLAPSE``, Linux 6.1+), which the kernel documents as
+  independent of the sysfs setting: it is how a process asks for huge pages where the
+  host did not opt in. By default *after* it is built and sealed, in the background
+  (:func:`collapse_sealed`): finding free 2 MiB pages on a host whose memory is full
+  of page cache means reclaim and compaction, which cost more than the whole rest of
+  a build (measured in ``bench/pack_build.py``: seconds per GB), so a pack is first
+  built, checked and published in 4 KiB pages (``posix_fallocate``), and upgraded
+  while it serves. The collapse preserves the bytes (the kernel copies them into the
+  huge page) and every mapping stays valid: the sealed content cannot change. Built
+  with ``defer_collapse=False``, each 2 MiB block of the empty pack gets one written
+  page first (the kernel refuses to collapse a block that has none), then the
+  collapse allocates a zeroed 2 MiB page around it before the fill. Blocks the
+  kernel cannot collapse (no free 2 MiB page, an older kernel: EINVAL) keep 4 KiB
+  pages;
 * ``deny`` (the operator's "not even on request"), or no THP: 4 KiB pages.
 
 Clients map huge packs at 2 MiB-aligned addresses (``weightd.common.hugemap``): with
@@ -34,11 +41,12 @@ import errno
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Final
 
-from weightd.common.hugemap import HUGE_PAGE, madvise
+from weightd.common.hugemap import HUGE_PAGE, madvise, map_aligned
 
 log = logging.getLogger("weightd.packs")
 
@@ -159,18 +167,55 @@ def advise_and_allocate(writer: ctypes.Array[ctypes.c_char]) -> bool:
     return advised
 
 
+def collapse_sealed(fd: int, size: int, stop: Callable[[], bool]) -> int:
+    """Collapse the built (sealed, or at least filled) pack ``fd`` into huge pages; bytes
+    collapsed. Best effort, one 2 MiB block at a time, stopping early when ``stop()``
+    says so (the pack was freed) or at the first EINVAL (no ``MADV_COLLAPSE`` for shmem).
+
+    Through a private mapping of our own: a sealed memfd refuses a shared writable
+    one, and a private one is never written here, so it stays a window onto the
+    file's pages, which are what is collapsed. The caller runs this off the critical
+    path (a background thread at the lowest CPU priority).
+    """
+    blocks = size // HUGE_PAGE
+    if blocks == 0:
+        return 0
+    view = map_aligned(fd, size, shared=False)
+    done = 0
+    for i in range(blocks):
+        if stop():
+            break
+        try:
+            madvise(view, MADV_COLLAPSE, i * HUGE_PAGE, HUGE_PAGE)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                break
+            continue
+        done += HUGE_PAGE
+    del view  # unmapped by its finalizer
+    return done
+
+
 def allocate(
-    writer: ctypes.Array[ctypes.c_char], fd: int, size: int, mode: str, threads: int
+    writer: ctypes.Array[ctypes.c_char],
+    fd: int,
+    size: int,
+    mode: str,
+    threads: int,
+    *,
+    defer_collapse: bool = False,
 ) -> bool:
     """Allocate every page of the pack behind ``writer`` now; whether it is (mostly) huge.
 
     Now, not on first touch: a shortage is then an error here, not SIGBUS or the OOM
     killer later (PITFALLS: /dev/shm and shmem fill up silently). How depends on
     ``mode``: through the advised writer (``advise``), by collapsing the empty pack
-    first (``never``), or by ``posix_fallocate`` alone. ``OSError`` on a shortage.
+    first (``never``, unless ``defer_collapse``: see :func:`collapse_sealed`), or by
+    ``posix_fallocate`` alone. ``OSError`` on a shortage.
     """
     if allocate_by_advice(mode):
         return advise_and_allocate(writer)
-    collapsed = collapse(fd, writer, threads) if collapse_on_request(mode) else 0
+    now = collapse_on_request(mode) and not defer_collapse
+    collapsed = collapse(fd, writer, threads) if now else 0
     os.posix_fallocate(fd, 0, size)  # what was not collapsed (or everything)
     return huge_by_itself(mode) or collapsed * 2 >= size

@@ -34,6 +34,7 @@ per page not yet mapped) is paid on every core.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import mmap
@@ -59,7 +60,7 @@ from ..registry.models import LoadedModel
 from ..store.runs import RunPattern
 from ..store.shards import ShardStore
 from .build import PACK_SEALS, HostPack, PackEntry, _exhausted, layout_pack
-from .hugepages import allocate, shmem_mode
+from .hugepages import allocate, collapse_on_request, shmem_mode
 
 #: Scratch per thread for strided cuts: rows are read this many bytes at a time.
 SCRATCH_BYTES: Final = 16 << 20
@@ -266,14 +267,22 @@ def build_rank_packs(
     *,
     threads: int | None = None,
     huge_mode: str | None = None,
+    collapse_later: bool = True,
 ) -> list[HostPack]:
     """Sealed packs for ``plans`` (the ranks of one layout, say), from one read per tensor.
 
     ``digests``: the verified BLAKE3 of every tensor. Raises DataIntegrityError (a
     shard changed since it was verified) or PackMemoryExhausted; nothing half-built is
     returned, every memfd of a failed build is closed.
+
+    ``collapse_later``: where the daemon collapses packs into huge pages itself (shmem
+    THP ``never``), do it after the packs are sealed, on a background thread at the
+    lowest CPU priority (:func:`collapse_in_background`), not before the fill: on a
+    host whose memory is page cache, finding 2 MiB pages was most of a build's time.
+    Each pack's ``settled`` event says when its upgrade ended.
     """
     mode = shmem_mode() if huge_mode is None else huge_mode
+    later = collapse_later and collapse_on_request(mode)
     workers = max(1, threads or os.cpu_count() or 1)
     shapes = [layout_pack(p.slices) for p in plans]
     fds: list[int] = []
@@ -292,7 +301,7 @@ def build_rank_packs(
             try:
                 os.ftruncate(fd, size)
                 writers.append(map_aligned(fd, size, shared=True))
-                huge.append(allocate(writers[-1], fd, size, mode, workers))
+                huge.append(allocate(writers[-1], fd, size, mode, workers, defer_collapse=later))
             except OSError as exc:
                 raise _exhausted(size, label, exc) from None
         jobs: dict[str, list[tuple[Target, int]]] = {}
@@ -345,9 +354,31 @@ def build_rank_packs(
                     PackEntry(s.name, s.dtype, s.shape, off, s.nbytes, d, s.split_dim, s.replicated)
                     for s, off, d in zip(plan.slices, offsets, ds, strict=True)
                 )
-                packs.append(HostPack(fd, size, entries, label, huge=is_huge))
+                packs.append(HostPack(fd, size, entries, label, huge=is_huge, collapse_later=later))
                 fds.pop(0)  # the pack owns it now
+    if later:
+        collapse_in_background(packs)
     return packs
+
+
+def _collapse_quietly(packs: Sequence[HostPack]) -> None:
+    """The background upgrade of :func:`collapse_in_background` (its thread's body)."""
+    # The lowest priority this thread can have: engines starting, fetches and the
+    # next build come first; on an idle host it still runs at full speed.
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    for pack in packs:
+        pack.collapse_huge()  # never raises; sets pack.settled
+
+
+def collapse_in_background(packs: Sequence[HostPack]) -> threading.Thread:
+    """Upgrade ``packs`` (built, sealed, served already) to huge pages on a thread of its
+    own, one block at a time; a pack freed meanwhile is left at its next block."""
+    thread = threading.Thread(
+        target=_collapse_quietly, args=(list(packs),), name="weightd-pack-huge", daemon=True
+    )
+    thread.start()
+    return thread
 
 
 def build_host_pack(
