@@ -6,15 +6,17 @@ import errno
 import fcntl
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.smaps import pmd_mapped_bytes
 from weightd.server.base.errors import DataIntegrityError
-from weightd.server.packs.build import PACK_ALIGN, PACK_SEALS
+from weightd.server.packs.build import PACK_ALIGN, PACK_SEALS, HostPack
 from weightd.server.packs.hugepages import SHMEM_ENABLED, shmem_mode
-from weightd.server.packs.layoutbuild import build_host_pack
+from weightd.server.packs.layoutbuild import build_host_pack, build_rank_packs
+from weightd.server.packs.spare import SparePool
 from weightd.server.registry.models import load_model
 
 
@@ -105,3 +107,47 @@ def test_a_pack_freed_during_its_huge_page_upgrade_leaves_nothing_open(demo_mode
         assert _open_fds() == before
     finally:
         model.store.close()
+
+
+def test_a_build_into_spare_memory_holds_the_same_verified_bytes(demo_model: Path) -> None:
+    """The first build prepares spares of its packs' sizes in the background; the next
+    build of that layout fills them: the same entries, bytes and digests as a fresh
+    build, sealed the same; every spare's descriptor is gone once the pool closes."""
+    model = load_model(str(demo_model))
+    before = _open_fds()
+    pool = SparePool(64 << 20)
+    try:
+        plans = [model.plan(2, r) for r in range(2)]
+
+        def build() -> list[HostPack]:
+            return build_rank_packs(
+                model.store,
+                model.checkpoint.tensors,
+                model.tensor_digests,
+                plans,
+                ["test:r0", "test:r1"],
+                spares=pool,
+            )
+
+        first = build()
+        deadline = time.monotonic() + 120
+        while pool.prepared_total < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # prepared in the background, off the build's path
+        assert pool.prepared_total == 2
+        second = build()
+        assert pool.taken_total == 2
+        for a, b in zip(first, second, strict=True):
+            assert a.entries == b.entries and a.size == b.size
+            assert a.mapping[:] == b.mapping[:]
+            assert os.fstat(b.fd).st_size == b.size
+            assert fcntl.fcntl(b.fd, fcntl.F_GET_SEALS) == PACK_SEALS
+        for p in first + second:
+            assert p.settled.wait(120)
+            p.close()
+    finally:
+        pool.close()
+        model.store.close()
+    deadline = time.monotonic() + 120
+    while pool.prepared_total < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the second build's spares: prepared (or refused: closed)
+    assert _open_fds() - before == set()

@@ -61,6 +61,7 @@ from ..store.runs import RunPattern
 from ..store.shards import ShardStore
 from .build import PACK_SEALS, HostPack, PackEntry, _exhausted, layout_pack
 from .hugepages import allocate, collapse_on_request, shmem_mode
+from .spare import POOL, SparePool
 
 #: Scratch per thread for strided cuts: rows are read this many bytes at a time.
 SCRATCH_BYTES: Final = 16 << 20
@@ -268,6 +269,7 @@ def build_rank_packs(
     threads: int | None = None,
     huge_mode: str | None = None,
     collapse_later: bool = True,
+    spares: SparePool | None = POOL,
 ) -> list[HostPack]:
     """Sealed packs for ``plans`` (the ranks of one layout, say), from one read per tensor.
 
@@ -280,6 +282,10 @@ def build_rank_packs(
     lowest CPU priority (:func:`collapse_in_background`), not before the fill: on a
     host whose memory is page cache, finding 2 MiB pages was most of a build's time.
     Each pack's ``settled`` event says when its upgrade ended.
+
+    ``spares``: memory prepared while idle (:mod:`.spare`; off unless configured) is
+    filled where a spare of a pack's size class is ready, and spares of these packs'
+    sizes are prepared after the build, in the background, for the next version.
     """
     mode = shmem_mode() if huge_mode is None else huge_mode
     later = collapse_later and collapse_on_request(mode)
@@ -296,6 +302,15 @@ def build_rank_packs(
     with on_error(close_all, f"packs {', '.join(labels)}"):
         huge: list[bool] = []
         for (_, size), label in zip(shapes, labels, strict=True):
+            spare = spares.take(size) if spares is not None else None
+            if spare is not None:  # prepared while idle: allocated (and huge) already
+                fds.append(spare.fd)
+                try:
+                    writers.append(map_aligned(spare.fd, size, shared=True))
+                except OSError as exc:
+                    raise _exhausted(size, label, exc) from None
+                huge.append(spare.huge)
+                continue
             fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             fds.append(fd)
             try:
@@ -354,10 +369,16 @@ def build_rank_packs(
                     PackEntry(s.name, s.dtype, s.shape, off, s.nbytes, d, s.split_dim, s.replicated)
                     for s, off, d in zip(plan.slices, offsets, ds, strict=True)
                 )
-                packs.append(HostPack(fd, size, entries, label, huge=is_huge, collapse_later=later))
+                upgrade = later and not is_huge
+                packs.append(
+                    HostPack(fd, size, entries, label, huge=is_huge, collapse_later=upgrade)
+                )
                 fds.pop(0)  # the pack owns it now
-    if later:
-        collapse_in_background(packs)
+    pending = [p for p in packs if not p.settled.is_set()]
+    if pending:
+        collapse_in_background(pending)
+    if spares is not None:  # the next version's packs have these sizes: prepare them now
+        spares.prepare_in_background([size for _, size in shapes])
     return packs
 
 
