@@ -130,34 +130,28 @@ class HostPack:
     def closed(self) -> bool:
         return self._array is None
 
-    def collapse_huge(self) -> int:
-        """Upgrade the built pack to huge pages now (see :func:`.hugepages.collapse_sealed`);
-        bytes collapsed. Sets :attr:`huge` when most of it is, so later grants tell clients
-        to populate. Never raises: a pack that stays in 4 KiB pages serves the same bytes.
+    def collapse_huge(self, fd: int) -> int:
+        """Upgrade the built pack to huge pages now (see :func:`.hugepages.collapse_sealed`)
+        through ``fd``, a duplicate of its descriptor taken while the pack was surely open,
+        which this closes; bytes collapsed. Sets :attr:`huge` when most of it is, so later
+        grants tell clients to populate. Never raises: a pack that stays in 4 KiB pages
+        serves the same bytes.
 
-        On a duplicate of the descriptor, so that :meth:`close` (eviction, shutdown) is
-        never delayed nor confused by a collapse in flight; the collapse then stops at
-        its next block, and the duplicate goes with it.
+        On a duplicate, so that :meth:`close` (eviction, shutdown) is never delayed nor
+        confused by a collapse in flight (the collapse stops at its next block), and a
+        descriptor number reused after the close is never touched.
         """
+        done = 0
         try:
-            if self.closed:
-                return 0
-            try:
-                fd = os.dup(self.fd)
-            except OSError:
-                return 0
-            try:
-                done = collapse_sealed(fd, self.size, lambda: self.closed)
-            except OSError as exc:
-                log.debug("pack %s stays in 4 KiB pages: %s", self.label, exc)
-                return 0
-            finally:
-                os.close(fd)
+            done = collapse_sealed(fd, self.size, lambda: self.closed)
             if done * 2 >= self.size:
-                self.huge = True
-            return done
+                self.huge = True  # before settled: whoever waited for it sees the claim
+        except OSError as exc:
+            log.debug("pack %s stays in 4 KiB pages: %s", self.label, exc)
         finally:
+            os.close(fd)
             self.settled.set()
+        return done
 
     def digests(self, kind: str) -> tuple[str, ...]:
         """Every entry's slice digest of ``kind`` (``sha256``, ``blake3``).

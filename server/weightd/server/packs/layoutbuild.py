@@ -382,23 +382,41 @@ def build_rank_packs(
     return packs
 
 
-def _collapse_quietly(packs: Sequence[HostPack]) -> None:
+def _collapse_quietly(work: Sequence[tuple[HostPack, int]]) -> None:
     """The background upgrade of :func:`collapse_in_background` (its thread's body)."""
     # The lowest priority this thread can have: engines starting, fetches and the
     # next build come first; on an idle host it still runs at full speed.
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    for pack in packs:
-        pack.collapse_huge()  # never raises; sets pack.settled
+    for pack, fd in work:
+        pack.collapse_huge(fd)  # never raises; closes fd, sets pack.settled
 
 
-def collapse_in_background(packs: Sequence[HostPack]) -> threading.Thread:
+def collapse_in_background(packs: Sequence[HostPack]) -> threading.Thread | None:
     """Upgrade ``packs`` (built, sealed, served already) to huge pages on a thread of its
-    own, one block at a time; a pack freed meanwhile is left at its next block."""
-    thread = threading.Thread(
-        target=_collapse_quietly, args=(list(packs),), name="weightd-pack-huge", daemon=True
-    )
-    thread.start()
+    own, one block at a time; a pack freed meanwhile is left at its next block.
+
+    Each pack's descriptor is duplicated here, while the caller surely holds the pack
+    open (a pack closed before the thread reaches it keeps its memory only until then).
+    """
+    work: list[tuple[HostPack, int]] = []
+    for pack in packs:
+        try:
+            work.append((pack, os.dup(pack.fd)))
+        except OSError:  # out of descriptors: that pack stays in 4 KiB pages
+            pack.settled.set()
+    if not work:
+        return None
+    try:
+        thread = threading.Thread(
+            target=_collapse_quietly, args=(work,), name="weightd-pack-huge", daemon=True
+        )
+        thread.start()
+    except BaseException:
+        for pack, fd in work:
+            os.close(fd)
+            pack.settled.set()
+        raise
     return thread
 
 
