@@ -16,12 +16,13 @@ setting):
 * ``never`` (most distributions' default, and this machine's): the pack is collapsed
   into huge pages (``MADV_COLLAPSE``, Linux 6.1+), which the kernel documents as
   independent of the sysfs setting: it is how a process asks for huge pages where the
-  host did not opt in. By default *after* it is built and sealed, in the background
-  (:func:`collapse_sealed`): finding free 2 MiB pages on a host whose memory is full
-  of page cache means reclaim and compaction, which cost more than the whole rest of
-  a build (measured in ``bench/pack_build.py``: seconds per GB), so a pack is first
+  host did not opt in. Before the fill only while that is cheap (free 2 MiB pages
+  to be had: :data:`CHEAP_COLLAPSE_RATE`); the rest *after* the pack is built and
+  sealed, in the background (:func:`collapse_sealed`): finding 2 MiB pages on a host
+  whose memory is full of page cache means reclaim and compaction, which cost more
+  than the whole rest of a build (measured: seconds per GB), so those blocks are
   built, checked and published in 4 KiB pages (``posix_fallocate``), and upgraded
-  while it serves. The collapse preserves the bytes (the kernel copies them into the
+  while the pack serves. The collapse preserves the bytes (the kernel copies them into the
   huge page) and every mapping stays valid: the sealed content cannot change. Built
   with ``defer_collapse=False``, each 2 MiB block of the empty pack gets one written
   page first (the kernel refuses to collapse a block that has none), then the
@@ -41,6 +42,7 @@ import errno
 import logging
 import mmap
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
@@ -60,6 +62,14 @@ MADV_POPULATE_WRITE: Final = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 MADV_COLLAPSE: Final = getattr(mmap, "MADV_COLLAPSE", 25)
 #: Modes in which the daemon collapses its packs itself.
 COLLAPSE: Final = frozenset({"never"})
+#: Collapsing before the fill goes on while it allocates at least this many bytes per
+#: second: free 2 MiB pages are being found. Below it (reclaim and compaction: 0.2-1
+#: GB/s measured on a 2-core VM whose memory was page cache) a block costs more than
+#: 4 KiB pages and their faults during the fill (about 1 GB/s there), so the rest is
+#: collapsed after the build, off the critical path.
+CHEAP_COLLAPSE_RATE: Final = 2e9
+#: Blocks collapsed before the rate is judged (a first block pays one-off costs).
+RATE_WARMUP_BLOCKS: Final = 8
 
 
 def parse_mode(text: str) -> str:
@@ -111,7 +121,9 @@ def collapse_on_request(mode: str) -> bool:
     return mode in COLLAPSE
 
 
-def collapse(fd: int, writer: ctypes.Array[ctypes.c_char], threads: int) -> int:
+def collapse(
+    fd: int, writer: ctypes.Array[ctypes.c_char], threads: int, min_rate: float = 0.0
+) -> int:
     """Collapse every whole 2 MiB block of the empty pack behind ``writer``; bytes collapsed.
 
     ``writer`` maps ``fd`` from offset 0 at a 2 MiB-aligned address. Best effort: a
@@ -119,6 +131,11 @@ def collapse(fd: int, writer: ctypes.Array[ctypes.c_char], threads: int) -> int:
     shmem in this kernel) stops the rest. A block costs milliseconds of page allocation
     (more on a virtual machine, where the hypervisor allocates too), so blocks go to
     ``threads`` threads (ctypes releases the GIL).
+
+    ``min_rate`` (bytes per second, 0: none): stop once, past the first
+    :data:`RATE_WARMUP_BLOCKS`, the collapse runs slower than that: free 2 MiB pages
+    have run out and each block now costs reclaim and compaction (the rest is left in
+    4 KiB pages, for :func:`collapse_sealed` to upgrade after the build).
     """
     blocks = list(range(0, len(writer) // HUGE_PAGE * HUGE_PAGE, HUGE_PAGE))
     if not blocks:
@@ -126,10 +143,13 @@ def collapse(fd: int, writer: ctypes.Array[ctypes.c_char], threads: int) -> int:
     for off in blocks:
         os.pwrite(fd, b"\0", off)  # a block with no page at all is refused (EINVAL)
     unsupported = False
+    slow = False
+    started = time.perf_counter()
+    collapsed = [0]
 
     def one(off: int) -> int:
-        nonlocal unsupported
-        if unsupported:
+        nonlocal unsupported, slow
+        if unsupported or slow:
             return 0
         try:
             madvise(writer, MADV_COLLAPSE, off, HUGE_PAGE)
@@ -137,6 +157,9 @@ def collapse(fd: int, writer: ctypes.Array[ctypes.c_char], threads: int) -> int:
             if exc.errno == errno.EINVAL:
                 unsupported = True
             return 0
+        collapsed[0] += HUGE_PAGE  # a racy count is fine: it only decides when to stop
+        if min_rate > 0 and collapsed[0] >= RATE_WARMUP_BLOCKS * HUGE_PAGE:
+            slow = collapsed[0] < min_rate * (time.perf_counter() - started)
         return HUGE_PAGE
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="weightd-pack-huge") as pool:
@@ -205,17 +228,37 @@ def allocate(
     *,
     defer_collapse: bool = False,
 ) -> bool:
+    """:func:`allocate_pack`'s first answer: whether the pack is (mostly) huge."""
+    return allocate_pack(writer, fd, size, mode, threads, defer_collapse=defer_collapse)[0]
+
+
+def allocate_pack(
+    writer: ctypes.Array[ctypes.c_char],
+    fd: int,
+    size: int,
+    mode: str,
+    threads: int,
+    *,
+    defer_collapse: bool = False,
+) -> tuple[bool, bool]:
     """Allocate every page of the pack behind ``writer`` now; whether it is (mostly) huge.
 
     Now, not on first touch: a shortage is then an error here, not SIGBUS or the OOM
     killer later (PITFALLS: /dev/shm and shmem fill up silently). How depends on
     ``mode``: through the advised writer (``advise``), by collapsing the empty pack
-    first (``never``, unless ``defer_collapse``: see :func:`collapse_sealed`), or by
-    ``posix_fallocate`` alone. ``OSError`` on a shortage.
+    first (``never``), or by ``posix_fallocate`` alone. ``OSError`` on a shortage.
+
+    ``defer_collapse``: collapse before the fill only while it is cheap (at least
+    :data:`CHEAP_COLLAPSE_RATE`: free 2 MiB pages to be had), leaving the rest for
+    :func:`collapse_sealed` after the build. Returns ``(huge, complete)``: whether
+    the pack is mostly huge, and whether nothing is left to collapse later.
     """
     if allocate_by_advice(mode):
-        return advise_and_allocate(writer)
-    now = collapse_on_request(mode) and not defer_collapse
-    collapsed = collapse(fd, writer, threads) if now else 0
-    os.posix_fallocate(fd, 0, size)  # what was not collapsed (or everything)
-    return huge_by_itself(mode) or collapsed * 2 >= size
+        return advise_and_allocate(writer), True
+    if not collapse_on_request(mode):
+        os.posix_fallocate(fd, 0, size)
+        return huge_by_itself(mode), True
+    rate = CHEAP_COLLAPSE_RATE if defer_collapse else 0.0
+    collapsed = collapse(fd, writer, threads, rate)
+    os.posix_fallocate(fd, 0, size)  # what was not collapsed
+    return collapsed * 2 >= size, collapsed >= size // HUGE_PAGE * HUGE_PAGE

@@ -60,7 +60,7 @@ from ..registry.models import LoadedModel
 from ..store.runs import RunPattern
 from ..store.shards import ShardStore
 from .build import PACK_SEALS, HostPack, PackEntry, _exhausted, layout_pack
-from .hugepages import allocate, collapse_on_request, shmem_mode
+from .hugepages import allocate_pack, collapse_on_request, shmem_mode
 from .spare import POOL, SparePool
 
 #: Scratch per thread for strided cuts: rows are read this many bytes at a time.
@@ -278,10 +278,11 @@ def build_rank_packs(
     returned, every memfd of a failed build is closed.
 
     ``collapse_later``: where the daemon collapses packs into huge pages itself (shmem
-    THP ``never``), do it after the packs are sealed, on a background thread at the
-    lowest CPU priority (:func:`collapse_in_background`), not before the fill: on a
-    host whose memory is page cache, finding 2 MiB pages was most of a build's time.
-    Each pack's ``settled`` event says when its upgrade ended.
+    THP ``never``), collapse before the fill only while free 2 MiB pages are cheap to
+    find, and the rest after the packs are sealed, on a background thread at the
+    lowest CPU priority (:func:`collapse_in_background`): on a host whose memory is
+    page cache, finding 2 MiB pages was most of a build's time. Each pack's
+    ``settled`` event says when its upgrade ended.
 
     ``spares``: memory prepared while idle (:mod:`.spare`; off unless configured) is
     filled where a spare of a pack's size class is ready, and spares of these packs'
@@ -301,6 +302,7 @@ def build_rank_packs(
 
     with on_error(close_all, f"packs {', '.join(labels)}"):
         huge: list[bool] = []
+        whole: set[int] = set()  # packs with nothing left to collapse after the build
         for (_, size), label in zip(shapes, labels, strict=True):
             spare = spares.take(size) if spares is not None else None
             if spare is not None:  # prepared while idle: allocated (and huge) already
@@ -310,13 +312,19 @@ def build_rank_packs(
                 except OSError as exc:
                     raise _exhausted(size, label, exc) from None
                 huge.append(spare.huge)
+                whole.add(len(fds) - 1)  # collapsed (or not) while idle: left as it is
                 continue
             fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             fds.append(fd)
             try:
                 os.ftruncate(fd, size)
                 writers.append(map_aligned(fd, size, shared=True))
-                huge.append(allocate(writers[-1], fd, size, mode, workers, defer_collapse=later))
+                is_huge, complete = allocate_pack(
+                    writers[-1], fd, size, mode, workers, defer_collapse=later
+                )
+                huge.append(is_huge)
+                if complete:
+                    whole.add(len(fds) - 1)
             except OSError as exc:
                 raise _exhausted(size, label, exc) from None
         jobs: dict[str, list[tuple[Target, int]]] = {}
@@ -369,7 +377,7 @@ def build_rank_packs(
                     PackEntry(s.name, s.dtype, s.shape, off, s.nbytes, d, s.split_dim, s.replicated)
                     for s, off, d in zip(plan.slices, offsets, ds, strict=True)
                 )
-                upgrade = later and not is_huge
+                upgrade = later and len(packs) not in whole
                 packs.append(
                     HostPack(fd, size, entries, label, huge=is_huge, collapse_later=upgrade)
                 )
