@@ -22,7 +22,9 @@ Every build keeps every check (each tensor's BLAKE3 against its verified digest,
 slice's digest, sealing). vLLM's vocab_pad 64 at TP=2. Each row is measured twice:
 ``start`` with the shard pages dropped first (a daemon's start: the previous daemon
 dropped them, its packs were the one copy) and ``publish`` with them in the page
-cache (a publish verified them just before). GB/s of payload, the load average.
+cache (a publish verified them just before). GB/s of payload; the CPU seconds the
+build's process spent (every thread, kernel included: on a loaded host the figure
+that says what the build costs, whatever else runs); the load average.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -70,7 +73,11 @@ def main() -> None:
         warm_buffer.write(b"\1" * size)  # every page exists before the ceiling is measured
         extra = {"huge after": 0.0}
         load = {"before": 0.0}
-        started = {"at": 0.0}
+        started = {"at": 0.0, "cpu": 0.0}
+
+        def cpu_now() -> float:  # every thread of this process, kernel time included
+            r = resource.getrusage(resource.RUSAGE_SELF)
+            return r.ru_utime + r.ru_stime
 
         def fill(view: memoryview) -> None:
             pos = 0
@@ -140,6 +147,7 @@ def main() -> None:
                 pool.prepare([layout_pack(p.slices)[1] for p in plans], os.cpu_count() or 1)
                 load["before"] = os.getloadavg()[0]
                 started["at"] = time.perf_counter()  # the build's time starts here
+                started["cpu"] = cpu_now()
                 return run()
 
             return with_spares
@@ -177,8 +185,11 @@ def main() -> None:
         print(
             f"payload {payload / 1e9:.2f} GB, shmem_enabled={shmem_mode()}, {os.cpu_count()} cores"
         )
-        print("| round | as at | case | seconds | GB/s | huge after (s) | load avg |")
-        print("|---|---|---|---|---|---|---|")
+        print(
+            "| round | as at | case | seconds | GB/s | CPU s | GB per CPU s | huge after (s) "
+            "| load avg |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in range(args.rounds):
             for when, prepare in (("start", drop), ("publish", warm)):
                 for name, run in cases.items():
@@ -186,12 +197,15 @@ def main() -> None:
                     extra["huge after"] = 0.0
                     load["before"] = os.getloadavg()[0]
                     started["at"] = time.perf_counter()
+                    started["cpu"] = cpu_now()
                     after = run()
                     seconds = time.perf_counter() - started["at"]
+                    cpu = cpu_now() - started["cpu"]
                     after()
                     print(
                         f"| {r} | {when} | {name} | {seconds:.2f} | {payload / seconds / 1e9:.2f}"
-                        f" | {extra['huge after']:.2f} | {load['before']:.1f} |",
+                        f" | {cpu:.2f} | {payload / cpu / 1e9:.2f} | {extra['huge after']:.2f}"
+                        f" | {load['before']:.1f} |",
                         flush=True,
                     )
         warm_buffer.close()

@@ -63,7 +63,7 @@ MADV_COLLAPSE: Final = getattr(mmap, "MADV_COLLAPSE", 25)
 #: Modes in which the daemon collapses its packs itself.
 COLLAPSE: Final = frozenset({"never"})
 #: Collapsing before the fill goes on while it allocates at least this many bytes per
-#: second: free 2 MiB pages are being found. Below it (reclaim and compaction: 0.2-1
+#: CPU second: free 2 MiB pages are being found. Below it (reclaim and compaction: 0.2-1
 #: GB/s measured on a 2-core VM whose memory was page cache) a block costs more than
 #: 4 KiB pages and their faults during the fill (about 1 GB/s there), so the rest is
 #: collapsed after the build, off the critical path.
@@ -133,8 +133,9 @@ def collapse(
     ``threads`` threads (ctypes releases the GIL).
 
     ``min_rate`` (bytes per second, 0: none): stop once, past the first
-    :data:`RATE_WARMUP_BLOCKS`, the collapse runs slower than that: free 2 MiB pages
-    have run out and each block now costs reclaim and compaction (the rest is left in
+    :data:`RATE_WARMUP_BLOCKS`, the collapse costs more CPU than that (the kernel's
+    time on the calling threads, not wall time, which a loaded host stretches): free
+    2 MiB pages have run out and each block now costs reclaim and compaction (the rest is left in
     4 KiB pages, for :func:`collapse_sealed` to upgrade after the build).
     """
     blocks = list(range(0, len(writer) // HUGE_PAGE * HUGE_PAGE, HUGE_PAGE))
@@ -144,22 +145,24 @@ def collapse(
         os.pwrite(fd, b"\0", off)  # a block with no page at all is refused (EINVAL)
     unsupported = False
     slow = False
-    started = time.perf_counter()
-    collapsed = [0]
+    spent = [0, 0.0]  # bytes collapsed, CPU seconds they cost (every thread's)
 
     def one(off: int) -> int:
         nonlocal unsupported, slow
         if unsupported or slow:
             return 0
+        cpu = time.thread_time()  # CPU, not wall time: a loaded host's waits are not cost
         try:
             madvise(writer, MADV_COLLAPSE, off, HUGE_PAGE)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 unsupported = True
             return 0
-        collapsed[0] += HUGE_PAGE  # a racy count is fine: it only decides when to stop
-        if min_rate > 0 and collapsed[0] >= RATE_WARMUP_BLOCKS * HUGE_PAGE:
-            slow = collapsed[0] < min_rate * (time.perf_counter() - started)
+        finally:
+            spent[1] += time.thread_time() - cpu  # racy sums are fine: they decide a stop
+        spent[0] += HUGE_PAGE
+        if min_rate > 0 and spent[0] >= RATE_WARMUP_BLOCKS * HUGE_PAGE:
+            slow = spent[0] < min_rate * spent[1]
         return HUGE_PAGE
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="weightd-pack-huge") as pool:
