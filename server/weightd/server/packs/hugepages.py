@@ -19,8 +19,8 @@ setting):
   host did not opt in. Before the fill only while that is cheap (free 2 MiB pages
   to be had: :data:`CHEAP_COLLAPSE_RATE`); the rest *after* the pack is built and
   sealed, in the background (:func:`collapse_sealed`): finding 2 MiB pages on a host
-  whose memory is full of page cache means reclaim and compaction, which cost more
-  than the whole rest of a build (measured: seconds per GB), so those blocks are
+  whose memory is full of page cache means reclaim and compaction, which can cost
+  more than the whole rest of a build (dated note: 2026-12-08-pack-build), so those are
   built, checked and published in 4 KiB pages (``posix_fallocate``), and upgraded
   while the pack serves. The collapse preserves the bytes (the kernel copies them into the
   huge page) and every mapping stays valid: the sealed content cannot change. Built
@@ -63,10 +63,10 @@ MADV_COLLAPSE: Final = getattr(mmap, "MADV_COLLAPSE", 25)
 #: Modes in which the daemon collapses its packs itself.
 COLLAPSE: Final = frozenset({"never"})
 #: Collapsing before the fill goes on while it allocates at least this many bytes per
-#: CPU second: free 2 MiB pages are being found. Below it (reclaim and compaction: 0.2-1
-#: GB/s measured on a 2-core VM whose memory was page cache) a block costs more than
-#: 4 KiB pages and their faults during the fill (about 1 GB/s there), so the rest is
-#: collapsed after the build, off the critical path.
+#: CPU second: free 2 MiB pages are being found. Below it (reclaim and compaction, on a
+#: host whose memory is page cache: docs/notes/2026-12-08-pack-build.md) a block costs
+#: more than 4 KiB pages and their faults during the fill, so the rest is collapsed
+#: after the build, off the critical path.
 CHEAP_COLLAPSE_RATE: Final = 2e9
 #: Blocks collapsed before the rate is judged (a first block pays one-off costs).
 RATE_WARMUP_BLOCKS: Final = 8

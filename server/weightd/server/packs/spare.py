@@ -3,8 +3,8 @@ is idle, for the next build to fill instead of fresh memory. Off unless configur
 
 Why: filling fresh shared memory pays the kernel's allocation on the build's critical
 path (reclaiming page cache, zeroing, one page-table entry per 4 KiB written, and
-finding 2 MiB pages for huge ones), which measured on a small VM cost more than
-reading, hashing and copying the bytes together (``bench/pack_build.py``). A publish
+finding 2 MiB pages for huge ones), which can cost as much as reading, hashing and
+copying the bytes together (``bench/pack_build.py``; docs/notes/2026-12-08-pack-build.md). A publish
 builds packs of the same sizes as the version it replaces (same model, same layouts),
 so after each build the daemon can prepare memory of those sizes in the background, at
 the lowest CPU priority, and the next publish's build only copies and hashes.
