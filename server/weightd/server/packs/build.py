@@ -121,6 +121,8 @@ class HostPack:
         self._unpin: Callable[[], None] | None = None
         self._digests: dict[str, tuple[str, ...]] = {}
         self._digest_lock = threading.Lock()
+        #: Filled into spare memory prepared while idle (``packs/spare.py``), for reports.
+        self.from_spare = False
         #: Set once no huge-page upgrade is pending (at once when none was asked for).
         self.settled = threading.Event()
         if not collapse_later:

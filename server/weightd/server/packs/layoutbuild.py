@@ -303,6 +303,7 @@ def build_rank_packs(
     with on_error(close_all, f"packs {', '.join(labels)}"):
         huge: list[bool] = []
         whole: set[int] = set()  # packs with nothing left to collapse after the build
+        spared: set[int] = set()  # packs filled into spare memory
         for (_, size), label in zip(shapes, labels, strict=True):
             spare = spares.take(size) if spares is not None else None
             if spare is not None:  # prepared while idle: allocated (and huge) already
@@ -313,6 +314,7 @@ def build_rank_packs(
                     raise _exhausted(size, label, exc) from None
                 huge.append(spare.huge)
                 whole.add(len(fds) - 1)  # collapsed (or not) while idle: left as it is
+                spared.add(len(fds) - 1)
                 continue
             fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             fds.append(fd)
@@ -378,9 +380,9 @@ def build_rank_packs(
                     for s, off, d in zip(plan.slices, offsets, ds, strict=True)
                 )
                 upgrade = later and len(packs) not in whole
-                packs.append(
-                    HostPack(fd, size, entries, label, huge=is_huge, collapse_later=upgrade)
-                )
+                pack = HostPack(fd, size, entries, label, huge=is_huge, collapse_later=upgrade)
+                pack.from_spare = len(packs) in spared
+                packs.append(pack)
                 fds.pop(0)  # the pack owns it now
     pending = [p for p in packs if not p.settled.is_set()]
     if pending:

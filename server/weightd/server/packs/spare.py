@@ -132,6 +132,13 @@ class SparePool:
                         done += 1
             if spare is not None and not keep:
                 os.close(spare.fd)
+        if done:
+            log.info(
+                "spare pack memory: %d prepared, %d bytes held of %d",
+                done,
+                self.held_bytes,
+                self.budget_bytes,
+            )
         return done
 
     def prepare_in_background(self, sizes: Sequence[int]) -> threading.Thread | None:
