@@ -6,15 +6,17 @@ import errno
 import fcntl
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.smaps import pmd_mapped_bytes
 from weightd.server.base.errors import DataIntegrityError
-from weightd.server.packs.build import PACK_ALIGN, PACK_SEALS
+from weightd.server.packs.build import PACK_ALIGN, PACK_SEALS, HostPack
 from weightd.server.packs.hugepages import SHMEM_ENABLED, shmem_mode
-from weightd.server.packs.layoutbuild import build_host_pack
+from weightd.server.packs.layoutbuild import build_host_pack, build_rank_packs
+from weightd.server.packs.spare import SparePool
 from weightd.server.registry.models import load_model
 
 
@@ -36,8 +38,10 @@ def test_pack_holds_exactly_the_verified_slices(demo_model: Path, huge_mode: str
             mode = shmem_mode() if huge_mode is None else huge_mode
             thp = os.path.exists(SHMEM_ENABLED)
             if mode == "never":
-                # Collapsed by the daemon: the grant's claim must be what the kernel did,
-                # as a client's aligned, populated mapping sees it (smaps).
+                # Collapsed by the daemon after the build, in the background: once that
+                # ended, the grant's claim must be what the kernel did, as a client's
+                # aligned, populated mapping sees it (smaps).
+                assert pack.settled.wait(120)
                 assert pack.huge is (2 * pmd_mapped_bytes(pack.fd, pack.size) >= pack.size)
             else:
                 want = mode in ("always", "within_size", "force") or (mode == "advise" and thp)
@@ -89,3 +93,61 @@ def test_bytes_that_are_not_the_verified_ones_are_never_published(
         assert _open_fds() == before  # the memfd and its mappings are gone
     finally:
         model.store.close()
+
+
+def test_a_pack_freed_during_its_huge_page_upgrade_leaves_nothing_open(demo_model: Path) -> None:
+    """The upgrade runs on a duplicate descriptor: freeing the pack (eviction, shutdown)
+    right after the build stops it, and once it has settled no descriptor is left."""
+    model = load_model(str(demo_model))
+    try:
+        before = _open_fds()
+        pack = build_host_pack(model, model.plan(1, 0), "test:tp1:r0", huge_mode="never")
+        pack.close()
+        assert pack.settled.wait(120)
+        assert _open_fds() == before
+    finally:
+        model.store.close()
+
+
+def test_a_build_into_spare_memory_holds_the_same_verified_bytes(demo_model: Path) -> None:
+    """The first build prepares spares of its packs' sizes in the background; the next
+    build of that layout fills them: the same entries, bytes and digests as a fresh
+    build, sealed the same; every spare's descriptor is gone once the pool closes."""
+    model = load_model(str(demo_model))
+    before = _open_fds()
+    pool = SparePool(64 << 20)
+    try:
+        plans = [model.plan(2, r) for r in range(2)]
+
+        def build() -> list[HostPack]:
+            return build_rank_packs(
+                model.store,
+                model.checkpoint.tensors,
+                model.tensor_digests,
+                plans,
+                ["test:r0", "test:r1"],
+                spares=pool,
+            )
+
+        first = build()
+        deadline = time.monotonic() + 120
+        while pool.prepared_total < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # prepared in the background, off the build's path
+        assert pool.prepared_total == 2
+        second = build()
+        assert pool.taken_total == 2
+        for a, b in zip(first, second, strict=True):
+            assert a.entries == b.entries and a.size == b.size
+            assert a.mapping[:] == b.mapping[:]
+            assert os.fstat(b.fd).st_size == b.size
+            assert fcntl.fcntl(b.fd, fcntl.F_GET_SEALS) == PACK_SEALS
+        for p in first + second:
+            assert p.settled.wait(120)
+            p.close()
+    finally:
+        pool.close()
+        model.store.close()
+    deadline = time.monotonic() + 120
+    while pool.prepared_total < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the second build's spares: prepared (or refused: closed)
+    assert _open_fds() - before == set()

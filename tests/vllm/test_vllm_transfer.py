@@ -5,8 +5,11 @@ One scenario, run once by a module fixture because engine starts are expensive h
 ``weight_transfer_config={"backend": "weightd"}``, each one process driven step by step
 (``transfer_engine.py``), against one daemon that starts serving v1:
 
+0. each engine initialises its ``weightd`` backend (``init_weight_transfer_engine``),
+   which makes every rank's layout known to the daemon;
 1. a v2 is published whose shard is then overwritten in place (same size, same mtime:
-   only digests can tell) and both engines are asked to move to it;
+   only digests can tell) and both engines are asked to move to it over gRPC (its
+   packs, built at the publish from the verified bytes, would serve it unharmed);
 2. the clean v2 is published; each engine's update goes with one rank's fetch through
    a proxy that cuts it off mid-stream;
 3. both engines update to v2 at once, each with one rank's fetch stalled mid-stream
@@ -33,6 +36,7 @@ the real fresh engines of step 6); the tests below assert on the record. Engine 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -251,12 +255,16 @@ def scenario(
             steps["start"] = {tp: _snapshot(e) for tp, e in engines.items()}
 
             # 1. a published version whose shard was then overwritten in place
+            mark = len(daemon.log())
             tampered = admin.publish(str(ckpts["v2-tampered"]), model="m")
+            publish_log = daemon.log()[mark:]
             shard = sorted(ckpts["v2-tampered"].glob("*.safetensors"))[2]
             tamper_in_place(shard)
+            grpc = {"transport": "grpc"}
             steps["tampered"] = {
                 "published": tampered.version,
-                "update": _update_both(engines, tampered.version),
+                "publish_log": publish_log,
+                "update": _update_both(engines, tampered.version, tp1=grpc, tp2=grpc),
                 "after": {tp: _snapshot(e) for tp, e in engines.items()},
             }
 
@@ -307,9 +315,11 @@ def scenario(
                 "after": {tp: _snapshot(e, ckpts["v2"]) for tp, e in engines.items()},
             }
             v3 = admin.publish(str(ckpts["live"]), model="m")  # same content: its number
+            mark = len(daemon.log())
             steps["v3"] = {
                 "version": v3.version,
                 "update": _update_both(engines, v3.version),
+                "update_log": daemon.log()[mark:],
                 "after": {tp: _snapshot(e, ckpts["v3"]) for tp, e in engines.items()},
             }
             again = admin.publish(str(ckpts["v2"]), model="m")
@@ -389,6 +399,24 @@ def test_update_generates_and_holds_exactly_what_a_fresh_engine_on_v2_does(
     assert got["tokens"] != steps["start"][tp]["tokens"]
     # the engine's reported version is the daemon's
     assert got["version"] == str(steps["cut"]["published"])
+
+
+def test_engines_that_loaded_from_disk_find_their_packs_built_at_a_publish(
+    scenario: Record,
+) -> None:
+    """The engines started with vLLM's own loader; their backend's init made their
+    layouts known, so the first publish that followed built each rank's pack before it
+    said ready, and an update found them: none is built on an update's way."""
+    published = scenario["steps"]["tampered"]["publish_log"]
+    for label in ("tp1:r0", "tp2:r0:v64", "tp2:r1:v64"):
+        assert re.search(f'pack_built model=m layout="?{label}"? ', published), (label, published)
+    step = scenario["steps"]["v3"]
+    for tp in TPS:
+        update = step["update"][tp]
+        assert update.get("ok"), update
+        assert [r["transport"] for r in update["reports"]] == ["shm"] * tp, update
+    assert "pack_built" not in step["update_log"], step["update_log"]
+    assert "pack_pending" not in step["update_log"], step["update_log"]
 
 
 @pytest.mark.parametrize("tp", TPS)

@@ -175,6 +175,8 @@ def main() -> None:
         seed=0,
         weight_transfer_config={"backend": "weightd"},
     )
+    if args.target:  # as a trainer would: the backend's init makes each rank's layout known
+        llm.init_weight_transfer_engine({"init_info": {"target": args.target, "model": args.model}})
     send({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:
         command = json.loads(line)

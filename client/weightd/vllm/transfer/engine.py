@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -68,7 +69,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightd.client import ModelDescription, Transport, WeightClient, WeightdError
+from weightd.client import Layout, ModelDescription, Transport, WeightClient, WeightdError
+from weightd.client.base.errors import PackPendingError
+from weightd.client.base.request import Wanted
+from weightd.client.receive.hashers import available_kinds
+from weightd.client.transports.local import LocalConnection
+from weightd.client.transports.localwire import PLACEMENT_HOST, encode_acquire
+from weightd.client.transports.selection import side_socket_path
 from weightd.common.sockets import default_target
 
 from ..errors import WeightdLoadError, WeightdUpdateError
@@ -88,6 +95,8 @@ log = logging.getLogger("vllm.weightd")
 
 #: Seconds a worker's calls to the daemon may take, when the update does not say.
 DEFAULT_TIMEOUT = 300.0
+#: Seconds at most that announcing a layout at init may take (it never fails the init).
+ANNOUNCE_TIMEOUT = 10.0
 #: Added to the timeout for the hold's TTL: it must outlive the slowest rank's fetch.
 HOLD_MARGIN = 60.0
 _TRANSPORTS: tuple[str, ...] = ("auto", "grpc", "shm")
@@ -186,6 +195,41 @@ class Staged:
         return f"model {self.model!r} version {self.version} (content {self.content[:12]})"
 
 
+def announce_layout(target: str, model: str, layout: Layout, timeout: float) -> str:
+    """Ask the daemon at ``target`` for ``layout``'s host pack of ``model`` without waiting,
+    and let it go at once; what happened, in words (never raises).
+
+    The daemon answers a pack it has (a lease, ended here by closing the connection and
+    the descriptor) or starts building it in the background (``no_wait``: PackPending);
+    either way it remembers the layout, so later publishes prepare its pack.
+    """
+    side = side_socket_path(target)
+    if side is None or not os.path.exists(side):
+        return "no side channel there (a TCP target, or no daemon): nothing prepared ahead"
+    try:
+        conn = LocalConnection(side, "shm", timeout)
+    except (WeightdError, OSError) as exc:
+        return f"not reached ({exc}): nothing prepared ahead"
+    try:
+        request = encode_acquire(
+            Wanted(layout=layout, model=model),
+            placement=PLACEMENT_HOST,
+            slice_digests=available_kinds(),
+            no_wait=True,
+        )
+        try:
+            _, fds = conn.request(request, max_fds=1)
+        except PackPendingError:
+            return "its pack is being built"
+        except (WeightdError, OSError) as exc:
+            return f"refused ({exc}): nothing prepared ahead"
+        for fd in fds:
+            os.close(fd)
+        return "its pack is built"
+    finally:
+        conn.close()
+
+
 def _creating_worker() -> Any:
     """The vLLM ``Worker`` whose ``load_model`` is creating this engine, or None.
 
@@ -236,7 +280,24 @@ class WeightdWeightTransferEngine(
         self._holder = f"vllm-{getattr(self.vllm_config, 'instance_id', '') or 'engine'}"
 
     def init_transfer_engine(self, init_info: WeightdInitInfo) -> None:
+        """Keep the defaults, and make this rank's layout known to the daemon now.
+
+        Why: an engine that loaded from disk (vLLM's own loader) never asked the daemon
+        for anything, so the daemon built no pack of its layout, and its first update
+        built one on the way (seconds: most of that update). Asked once here, without
+        waiting, the daemon starts building the pack of the current version in the
+        background and remembers the layout; every later publish prepares that
+        layout's pack before it says ready. Best effort: a daemon that cannot be
+        reached now costs a warning, not the engine.
+        """
         self.defaults = init_info  # checked as it was made (``_check``)
+        d = init_info
+        target = d.target or default_target()
+        layout = padded_layout(worker_layout(self.model_config), self.model)
+        said = announce_layout(
+            target, d.model or "", layout, min(d.timeout or ANNOUNCE_TIMEOUT, ANNOUNCE_TIMEOUT)
+        )
+        log.info("weightd: layout %s made known to %s: %s", layout.describe(), target, said)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: each update stages aside, then applies in one step."""

@@ -428,6 +428,15 @@ class LocalSection(Section):
         "threads that build a layout's packs (0: every core)",
         check=not_negative,
     )
+    spare_pack_bytes: int = setting(
+        0,
+        ByteSize(),
+        "bytes of shared memory allocated ahead, while idle, for the next version's packs "
+        "(0: none; a host that publishes often sets its layouts' pack bytes: the next "
+        "build then only copies and hashes, at the cost of that memory held between "
+        "publishes)",
+        check=not_negative,
+    )
 
 
 @dataclass

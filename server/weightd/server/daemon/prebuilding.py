@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from ..base.errors import DataIntegrityError
 from ..config import ServeConfig, build
+from ..packs.spare import POOL
 from ..registry.models import LoadedModel, ModelRegistry
 from ..telemetry.metrics import Metrics
 from ..transports.layout_memory import LayoutMemory
@@ -34,7 +35,9 @@ def layout_memory(config: ServeConfig) -> LayoutMemory | None:
 def prebuilder_for(
     config: ServeConfig, packs: PackService, memory: LayoutMemory | None
 ) -> LayoutPrebuilder:
-    """The daemon's prebuilder over ``packs``, reading the layouts ``memory`` remembers."""
+    """The daemon's prebuilder over ``packs``, reading the layouts ``memory`` remembers;
+    the spare pack memory (``packs/spare.py``) sized as ``config`` says."""
+    POOL.configure(config.local.spare_pack_bytes)
     return LayoutPrebuilder(packs, build.prebuild_options(config), memory)
 
 

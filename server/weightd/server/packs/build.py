@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import threading
@@ -41,7 +42,9 @@ from ..base.cleanup import on_error
 from ..base.errors import DataIntegrityError, PackMemoryExhausted
 from ..plan.slices import TensorSlice
 from ..trust.integrity import slice_hasher
-from .hugepages import allocate, shmem_mode
+from .hugepages import allocate, collapse_sealed, shmem_mode
+
+log = logging.getLogger("weightd.packs")
 
 #: Every tensor in a pack starts at a multiple of this many bytes.
 PACK_ALIGN: Final = 256
@@ -102,6 +105,7 @@ class HostPack:
         label: str,
         *,
         huge: bool = False,
+        collapse_later: bool = False,
     ) -> None:
         self.fd = fd
         self.size = size
@@ -117,6 +121,39 @@ class HostPack:
         self._unpin: Callable[[], None] | None = None
         self._digests: dict[str, tuple[str, ...]] = {}
         self._digest_lock = threading.Lock()
+        #: Filled into spare memory prepared while idle (``packs/spare.py``), for reports.
+        self.from_spare = False
+        #: Set once no huge-page upgrade is pending (at once when none was asked for).
+        self.settled = threading.Event()
+        if not collapse_later:
+            self.settled.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._array is None
+
+    def collapse_huge(self, fd: int) -> int:
+        """Upgrade the built pack to huge pages now (see :func:`.hugepages.collapse_sealed`)
+        through ``fd``, a duplicate of its descriptor taken while the pack was surely open,
+        which this closes; bytes collapsed. Sets :attr:`huge` when most of it is, so later
+        grants tell clients to populate. Never raises: a pack that stays in 4 KiB pages
+        serves the same bytes.
+
+        On a duplicate, so that :meth:`close` (eviction, shutdown) is never delayed nor
+        confused by a collapse in flight (the collapse stops at its next block), and a
+        descriptor number reused after the close is never touched.
+        """
+        done = 0
+        try:
+            done = collapse_sealed(fd, self.size, lambda: self.closed)
+            if done * 2 >= self.size:
+                self.huge = True  # before settled: whoever waited for it sees the claim
+        except OSError as exc:
+            log.debug("pack %s stays in 4 KiB pages: %s", self.label, exc)
+        finally:
+            os.close(fd)
+            self.settled.set()
+        return done
 
     def digests(self, kind: str) -> tuple[str, ...]:
         """Every entry's slice digest of ``kind`` (``sha256``, ``blake3``).

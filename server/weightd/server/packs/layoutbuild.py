@@ -34,6 +34,7 @@ per page not yet mapped) is paid on every core.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import mmap
@@ -59,7 +60,8 @@ from ..registry.models import LoadedModel
 from ..store.runs import RunPattern
 from ..store.shards import ShardStore
 from .build import PACK_SEALS, HostPack, PackEntry, _exhausted, layout_pack
-from .hugepages import allocate, shmem_mode
+from .hugepages import allocate_pack, collapse_on_request, shmem_mode
+from .spare import POOL, SparePool
 
 #: Scratch per thread for strided cuts: rows are read this many bytes at a time.
 SCRATCH_BYTES: Final = 16 << 20
@@ -266,14 +268,28 @@ def build_rank_packs(
     *,
     threads: int | None = None,
     huge_mode: str | None = None,
+    collapse_later: bool = True,
+    spares: SparePool | None = POOL,
 ) -> list[HostPack]:
     """Sealed packs for ``plans`` (the ranks of one layout, say), from one read per tensor.
 
     ``digests``: the verified BLAKE3 of every tensor. Raises DataIntegrityError (a
     shard changed since it was verified) or PackMemoryExhausted; nothing half-built is
     returned, every memfd of a failed build is closed.
+
+    ``collapse_later``: where the daemon collapses packs into huge pages itself (shmem
+    THP ``never``), collapse before the fill only while free 2 MiB pages are cheap to
+    find, and the rest after the packs are sealed, on a background thread at the
+    lowest CPU priority (:func:`collapse_in_background`): on a host whose memory is
+    page cache, finding 2 MiB pages was most of a build's time. Each pack's
+    ``settled`` event says when its upgrade ended.
+
+    ``spares``: memory prepared while idle (:mod:`.spare`; off unless configured) is
+    filled where a spare of a pack's size class is ready, and spares of these packs'
+    sizes are prepared after the build, in the background, for the next version.
     """
     mode = shmem_mode() if huge_mode is None else huge_mode
+    later = collapse_later and collapse_on_request(mode)
     workers = max(1, threads or os.cpu_count() or 1)
     shapes = [layout_pack(p.slices) for p in plans]
     fds: list[int] = []
@@ -286,13 +302,31 @@ def build_rank_packs(
 
     with on_error(close_all, f"packs {', '.join(labels)}"):
         huge: list[bool] = []
+        whole: set[int] = set()  # packs with nothing left to collapse after the build
+        spared: set[int] = set()  # packs filled into spare memory
         for (_, size), label in zip(shapes, labels, strict=True):
+            spare = spares.take(size) if spares is not None else None
+            if spare is not None:  # prepared while idle: allocated (and huge) already
+                fds.append(spare.fd)
+                try:
+                    writers.append(map_aligned(spare.fd, size, shared=True))
+                except OSError as exc:
+                    raise _exhausted(size, label, exc) from None
+                huge.append(spare.huge)
+                whole.add(len(fds) - 1)  # collapsed (or not) while idle: left as it is
+                spared.add(len(fds) - 1)
+                continue
             fd = os.memfd_create(label[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             fds.append(fd)
             try:
                 os.ftruncate(fd, size)
                 writers.append(map_aligned(fd, size, shared=True))
-                huge.append(allocate(writers[-1], fd, size, mode, workers))
+                is_huge, complete = allocate_pack(
+                    writers[-1], fd, size, mode, workers, defer_collapse=later
+                )
+                huge.append(is_huge)
+                if complete:
+                    whole.add(len(fds) - 1)
             except OSError as exc:
                 raise _exhausted(size, label, exc) from None
         jobs: dict[str, list[tuple[Target, int]]] = {}
@@ -345,9 +379,55 @@ def build_rank_packs(
                     PackEntry(s.name, s.dtype, s.shape, off, s.nbytes, d, s.split_dim, s.replicated)
                     for s, off, d in zip(plan.slices, offsets, ds, strict=True)
                 )
-                packs.append(HostPack(fd, size, entries, label, huge=is_huge))
+                upgrade = later and len(packs) not in whole
+                pack = HostPack(fd, size, entries, label, huge=is_huge, collapse_later=upgrade)
+                pack.from_spare = len(packs) in spared
+                packs.append(pack)
                 fds.pop(0)  # the pack owns it now
+    pending = [p for p in packs if not p.settled.is_set()]
+    if pending:
+        collapse_in_background(pending)
+    if spares is not None:  # the next version's packs have these sizes: prepare them now
+        spares.prepare_in_background([size for _, size in shapes])
     return packs
+
+
+def _collapse_quietly(work: Sequence[tuple[HostPack, int]]) -> None:
+    """The background upgrade of :func:`collapse_in_background` (its thread's body)."""
+    # The lowest priority this thread can have: engines starting, fetches and the
+    # next build come first; on an idle host it still runs at full speed.
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    for pack, fd in work:
+        pack.collapse_huge(fd)  # never raises; closes fd, sets pack.settled
+
+
+def collapse_in_background(packs: Sequence[HostPack]) -> threading.Thread | None:
+    """Upgrade ``packs`` (built, sealed, served already) to huge pages on a thread of its
+    own, one block at a time; a pack freed meanwhile is left at its next block.
+
+    Each pack's descriptor is duplicated here, while the caller surely holds the pack
+    open (a pack closed before the thread reaches it keeps its memory only until then).
+    """
+    work: list[tuple[HostPack, int]] = []
+    for pack in packs:
+        try:
+            work.append((pack, os.dup(pack.fd)))
+        except OSError:  # out of descriptors: that pack stays in 4 KiB pages
+            pack.settled.set()
+    if not work:
+        return None
+    try:
+        thread = threading.Thread(
+            target=_collapse_quietly, args=(work,), name="weightd-pack-huge", daemon=True
+        )
+        thread.start()
+    except BaseException:
+        for pack, fd in work:
+            os.close(fd)
+            pack.settled.set()
+        raise
+    return thread
 
 
 def build_host_pack(

@@ -131,6 +131,7 @@ class LayoutPrebuilder:
             packs=len(leases),
             bytes=sum(lease.pack.size for lease in leases),
             seconds=time.monotonic() - started,
+            spare_packs=sum(int(lease.built and lease.pack.from_spare) for lease in leases),
             shard_pages_dropped=dropped,
         )
         return sum(int(lease.built) for lease in leases)
