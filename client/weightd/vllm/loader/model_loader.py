@@ -38,6 +38,11 @@ import torch
 from weightd.client import Layout, ModelDescription, WeightClient, WeightdError
 from weightd.client.base import errors as e
 
+# The same-host fetch's modules load with the plugin (vLLM imports it as each worker
+# starts), as vLLM's default loader loads safetensors with itself: the load then pays
+# only the conversation and the copy, not a fresh process's first imports.
+from weightd.client.transports import local_fetch as _local_fetch  # noqa: F401
+
 from ..errors import WeightdLoadError
 from ..share.describe import describe
 from ..share.fetch import LoadReport, Weights, fetch_share

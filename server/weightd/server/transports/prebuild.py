@@ -123,6 +123,9 @@ class LayoutPrebuilder:
             return 0
         dropped = self.options.drop_shard_pages
         if dropped:
+            # The identity samples a describe sends read the shards: taken now, while
+            # their pages are cached, not as a cold read on the first worker's load.
+            WeightService.held_files(model)
             WeightService.drop_shard_pages(model)
         logs.event(
             "layouts_built",
