@@ -171,15 +171,25 @@ def test_a_held_version_survives_a_reload_and_goes_with_its_last_hold(
 
 def test_a_hold_expires_with_its_ttl(daemon: RunningDaemon, versions: dict[str, Path]) -> None:
     with WeightClient(daemon.target, timeout=60) as client, admin_of(daemon) as admin:
-        hold = client.hold_version("m", 1, holder="dies", ttl=1)
-        assert hold.ttl_seconds == 1
+        # The TTL outlasts a publish on a loaded host (1 s did not, once), and the end is
+        # waited for, not slept for: what is checked is that it ends, unrenewed.
+        taken = time.monotonic()
+        hold = client.hold_version("m", 1, holder="dies", ttl=4)
+        assert hold.ttl_seconds == 4
         admin.publish(str(versions["v2"]), model="m")
-        client.describe("m", version=1)  # held
-        time.sleep(1.5)
-        with pytest.raises(NotFoundError):
-            client.describe("m", version=1)
+        if time.monotonic() - taken < 3:
+            client.describe("m", version=1)  # still held
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.describe("m", version=1)
+            except NotFoundError:
+                break
+            assert time.monotonic() < deadline, "the hold never expired"
+            time.sleep(0.2)
+        assert time.monotonic() - taken >= 4  # not before its TTL
         assert not hold.release()  # the daemon no longer had it
-        assert "expired after 1s" in daemon.log()
+        assert "expired after 4s" in daemon.log()
 
 
 def test_publish_refusals_change_nothing(
