@@ -17,7 +17,11 @@ What is checked before vLLM sees a byte (:func:`map_adapter`):
   give that digest (:func:`~weightd.common.digests.adapter_digest`, the digest an
   operator pins): PEFT's settings are the daemon's verified file, byte for byte;
 * the memfd is sealed and every tensor re-hashed against its slice digest in the grant
-  (``verify=True``), as any shared-memory fetch can ask.
+  (``verify=True``), as any shared-memory fetch can ask. Where this process has
+  ``blake3`` that is BLAKE3, the pack's own kind (about 4x cheaper than SHA-256): the
+  daemon took those digests at load from the same immutable bytes whose SHA-256 is the
+  ``weights_sha256`` checked above, so a mapping that hashes to them holds exactly the
+  bytes the digest in the path names (a cryptographic hash either way).
 
 The tensors view the pack (copy-on-write private mapping: vLLM's in-place scaling of
 ``lora_b`` copies the pages it writes, never the daemon's); the side-channel lease, and

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -190,16 +191,21 @@ def load_adapter(
     length = header_length(path, data[:8], len(data))
     header = parse_header(path, data[8 : 8 + length], len(data))
     modules = verify_adapter(path, header, config, base)
-    digests = {
-        e.name: format_digest(
-            "blake3",
-            blake3.blake3(
-                memoryview(data)[header.data_start + e.begin : header.data_start + e.end]
-            ).hexdigest(),
-        )
-        for e in header.entries
-    }
-    weights_sha256 = hashlib.sha256(data).hexdigest()
+    # The two passes (the file's SHA-256, the trusted digest; each tensor's BLAKE3, what
+    # packs and streams are checked by) release the GIL: one runs on a second core.
+    with ThreadPoolExecutor(1, "weightd-adapter-sha256") as pool:
+        whole = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+        view = memoryview(data)
+        digests = {
+            e.name: format_digest(
+                "blake3",
+                blake3.blake3(
+                    view[header.data_start + e.begin : header.data_start + e.end]
+                ).hexdigest(),
+            )
+            for e in header.entries
+        }
+        weights_sha256 = whole.result()
     digest = adapter_digest(config_file.sha256, weights_sha256)
     if expected_digest is not None and expected_digest != digest:
         raise DigestMismatchError(root, f"adapter digest: expected {expected_digest}, got {digest}")

@@ -15,8 +15,9 @@ same budget and obey the same lease rules. What differs is what a pack depends o
   ask for that version again.
 
 The bytes come from the verified in-memory copy of the adapter's weights file, cut by
-the same pure plan as the gRPC stream, and each slice's SHA-256 is computed from those
-bytes before the sealed pack is re-hashed against it.
+the same pure plan as the gRPC stream; entries carry the BLAKE3 digests taken at load
+(see :func:`build_adapter_pack` for why that check still holds), and the sealed pack
+is re-hashed against them before it is published.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from weightd.common.digests import ADAPTER_WEIGHTS_FILE, slice_digest
+import blake3
+
+from weightd.common.digests import ADAPTER_WEIGHTS_FILE, BLAKE3, slice_digest
 
 from ..packs import cache as pack_cache
 from ..packs.build import HostPack, build_pack
@@ -86,20 +89,44 @@ def slice_bytes(v: AdapterVersion, s: TensorSlice) -> tuple[bytes, str]:
     return data, slice_digest(hashlib.sha256(data))
 
 
+def load_digests(v: AdapterVersion) -> dict[tuple[int, int], str]:
+    """The BLAKE3 digest taken at load of each tensor, by its ``(offset, nbytes)`` in the file."""
+    digests = v.adapter.tensor_digests
+    return {
+        (t.offset, t.nbytes): digests[t.name]
+        for m in v.adapter.modules
+        for t in (m.a, m.b)
+        if t.name in digests
+    }
+
+
 def build_adapter_pack(v: AdapterVersion, plan: AdapterSlicePlan, label: str) -> HostPack:
     """The sealed, re-verified pack of ``plan`` (a rank's slices of version ``v``).
 
-    Each slice is hashed (on every core) and copied straight from the verified bytes'
-    runs, with no joined copy in between: a new adapter's first request (vLLM's shared
-    hand-over) waits for this build.
+    Each entry carries a BLAKE3 digest, and the sealed pack is re-hashed against it
+    (:func:`~weightd.server.packs.build.build_pack` hashes each entry by its own kind).
+    A whole tensor's digest is the one :func:`~.load.load_adapter` took at load from
+    the same immutable bytes whose SHA-256 it checked against the adapter's digest, so
+    it needs no pass of its own here: a pack whose bytes hash to it holds exactly the
+    verified bytes (BLAKE3 is a cryptographic hash, as SHA-256 is). Only a slice cut
+    from a tensor (TP > 1) is hashed here, from those same verified bytes. Clients that
+    check BLAKE3 (every vLLM worker with the ``blake3`` package) then re-check the
+    mapping at BLAKE3's speed; others get SHA-256 digests hashed from the sealed pack
+    (:meth:`~weightd.server.packs.build.HostPack.digests`). A new adapter's first request
+    (vLLM's shared hand-over) waits for this build, or finds it built at load
+    (:func:`prebuild`).
     """
     data = memoryview(v.adapter.data)
+    known = load_digests(v)
 
     def digest(s: TensorSlice) -> str:
-        h = hashlib.sha256()
-        for off, n in s.pattern.ranges():
+        runs = list(s.pattern.ranges())
+        if len(runs) == 1 and runs[0] in known:
+            return known[runs[0]]
+        h = blake3.blake3()
+        for off, n in runs:
             h.update(data[off : off + n])
-        return slice_digest(h)
+        return slice_digest(h, BLAKE3)
 
     def fill(s: TensorSlice, into: memoryview) -> None:
         at = 0
@@ -107,7 +134,7 @@ def build_adapter_pack(v: AdapterVersion, plan: AdapterSlicePlan, label: str) ->
             into[at : at + n] = data[off : off + n]
             at += n
 
-    # hashlib releases the GIL on large buffers: the slices hash on every core.
+    # blake3 releases the GIL on large buffers: cut slices hash on every core.
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1), "weightd-adapter-hash") as pool:
         digests = list(pool.map(digest, plan.slices))
     return build_pack(plan.slices, digests, fill, label)

@@ -135,6 +135,9 @@ class AdapterService:
         self._loaders = threading.BoundedSemaphore(autoload_slots)
         self._waiters = threading.BoundedSemaphore(autoload_slots)
         registry.on_event(_log_event)
+        #: Called with each version a load published, on the load's thread, before the
+        #: load answers (the side socket builds the version's TP=1 pack there).
+        self._on_loaded: list[Callable[[AdapterVersion], None]] = []
         #: Local directory roots; ``s3://`` roots are kept apart (a local path can never
         #: resolve under one, nor an ``s3://`` source under a directory).
         self.roots = tuple(r for r in roots if not is_remote(r))
@@ -341,8 +344,15 @@ class AdapterService:
 
         if is_remote(source_dir):
             loader = self._remote_loader(name, source_dir, base, expected, room)
-        registry.load(name, f"{base.name}\0{source_dir}", expected, loader)
+        version = registry.load(name, f"{base.name}\0{source_dir}", expected, loader)
+        for callback in self._on_loaded:
+            callback(version)
         return self.state(name)
+
+    def on_loaded(self, callback: Callable[[AdapterVersion], None]) -> None:
+        """Call ``callback(version)`` after each load, before it answers; it must not raise
+        for a reason the load's caller should see (the load has succeeded)."""
+        self._on_loaded.append(callback)
 
     def _signed(self, name: str) -> OmsStatement | None:
         """The adapter's OMS signature (``--adapter-signature NAME=FILE``), verified

@@ -23,7 +23,6 @@ to disturb, and per-rank packs give each CUDA IPC export its own allocation.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import mmap
 import os
@@ -292,13 +291,15 @@ def _fill(
 
 
 def _verify(pack: HostPack, slices: Sequence[TensorSlice]) -> None:
-    """Hash every slice from the sealed memfd and compare with its anchored digest."""
+    """Hash every slice from the sealed memfd and compare with its anchored digest
+    (each by its own kind: adapter packs carry the BLAKE3 digests taken at load)."""
     with memoryview(pack.mapping) as view:
 
         def digest(e: PackEntry) -> str:
-            h = hashlib.sha256()
+            kind = e.digest.partition(":")[0]
+            h = slice_hasher(kind)
             h.update(view[e.offset : e.offset + e.nbytes])
-            return slice_digest(h)
+            return slice_digest(h, kind)
 
         workers = max(1, min(_HASH_THREADS, os.cpu_count() or 1, len(pack.entries)))
         with ThreadPoolExecutor(workers, thread_name_prefix="weightd-pack-hash") as pool:

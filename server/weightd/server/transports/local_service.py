@@ -30,6 +30,7 @@ from typing import Final
 
 from weightd.common.cuda_driver import CudaDriver
 from weightd.v1 import local_pb2 as lpb
+from weightd.v1 import weightd_pb2 as pb
 
 from ..adapters.packing import (
     AdapterPackLease,
@@ -38,6 +39,7 @@ from ..adapters.packing import (
     adapter_tag,
     build_adapter_pack,
 )
+from ..adapters.registry import AdapterVersion
 from ..adapters.service import AdapterService, check_tp_only
 from ..base.bounds import check_fields
 from ..base.cleanup import release_frames
@@ -52,6 +54,7 @@ from ..base.errors import (
     PlacementUnavailable,
     StaleGrant,
     TransportError,
+    echo,
     error_status,
 )
 from ..packs.build import HostPack, layout_pack
@@ -156,6 +159,7 @@ class PackService:
         }
         if adapters is not None:
             adapters.registry.on_drop(self._adapter_dropped)
+            adapters.on_loaded(self._prebuild_adapter)
 
     def count_own(self, lease: Lease[HostPack], own: bool) -> None:
         """Count ``lease`` as the daemon's own (``own``) or no longer (prebuild's).
@@ -205,6 +209,27 @@ class PackService:
         match = adapter_key_matches(name, version)
         for cache in self._caches():
             cache.discard(match)
+
+    def _prebuild_adapter(self, v: AdapterVersion) -> None:
+        """Build the TP=1 pack of ``v``, just loaded, before the load answers.
+
+        A same-host vLLM engine leases exactly that pack on the version's first request
+        (``weightd.vllm.lora.hub``): built at load, an operator-loaded version's first
+        request finds it built, and one loaded on request builds it once, in the load it
+        waits for anyway. The pack is then an idle pack of the cache: its budget, TTL and
+        the version's drop free it as any other's. A failure is logged, not raised: the
+        load succeeded, and a request that needs the pack builds it again or says why.
+        """
+        req = lpb.AcquirePack(
+            adapter=v.name,
+            adapter_version=v.version,
+            layout=pb.Layout(tp_size=1, tp_rank=0),
+            placement=lpb.PLACEMENT_HOST,
+        )
+        try:
+            self._adapter_lease(req).release()
+        except Exception as exc:
+            log.info("adapter %s v%d: pack not built at load: %s", echo(v.name), v.version, exc)
 
     def _caches(self) -> list[PackCache[HostPack] | PackCache[CudaPack]]:
         return [self.host, *self.gpu.values()]
@@ -342,6 +367,11 @@ class PackService:
 
     def _acquire_adapter(self, req: lpb.AcquirePack) -> Outcome:
         """The current version of adapter ``req.adapter``: its pack, leased, the version held."""
+        held: Held = self._adapter_lease(req)
+        return answer(self.boot_id, held, [], list(req.slice_digests))
+
+    def _adapter_lease(self, req: lpb.AcquirePack) -> AdapterPackLease:
+        """``req``'s adapter pack, leased, with its version held (see :meth:`_acquire_adapter`)."""
         if self.adapters is None:
             raise NoAdapters("this daemon serves no adapters")
         if req.model or req.names:
@@ -381,8 +411,7 @@ class PackService:
             release_frames(error)
             version.release()
             raise
-        held: Held = AdapterPackLease(lease, version)
-        return answer(self.boot_id, held, [], list(req.slice_digests))
+        return AdapterPackLease(lease, version)
 
     def _place(
         self, req: lpb.AcquirePack, host: Lease[HostPack], key: Hashable, info: PackInfo
