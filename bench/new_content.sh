@@ -24,7 +24,7 @@ step() {
 step update .venv-vllm/bin/python bench/vllm_update.py --tp 1,2 --rounds 1 \
   --trainer-rounds 2 --json "$out/update.json"
 step packs .venv/bin/python bench/pack_build.py --rounds 2
-step lora .venv-vllm/bin/python bench/vllm_lora.py --only latency --rounds 2 --swaps 10 \
+step lora .venv/bin/python bench/vllm_lora.py --only latency --rounds 2 --swaps 10 \
   --json "$out/lora.json"
 step load-1.1GB .venv-vllm/bin/python bench/vllm_load.py --cases first,second \
   --loaders weightd,auto --json "$out/load-1.1GB.json"
