@@ -3,7 +3,6 @@ version fingerprints and the failure-reason table."""
 
 from __future__ import annotations
 
-import itertools
 import os
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import pytest
 
 from weightd.server.base import errors
 from weightd.server.sources.cache import fingerprint, source_id
-from weightd.server.sources.download import MAX_SPAN_BYTES, spans
 from weightd.server.sources.journal import Journal, parse_journal, plan_ranges
 from weightd.server.sources.location import (
     S3Location,
@@ -87,31 +85,6 @@ def test_range_plans_cover_every_byte_once() -> None:
 
 def _obj(name: str, size: int, etag: str = '"e"') -> RemoteObject:
     return RemoteObject(name, "p/" + name, size, etag)
-
-
-def test_one_get_fetches_consecutive_parts_of_one_file_bounded() -> None:
-    """A GET covers consecutive parts of one file only (never across a gap left by a
-    resume, nor across files), at most MAX_SPAN_BYTES, and there stay enough GETs to keep
-    the concurrency busy twice over; every part is in exactly one GET, in order."""
-    mib = 1 << 20
-    a, b = "a", "b"
-    parts = [(a, r) for r in plan_ranges(30 * 16 * mib, 16 * mib)] + [
-        (b, r) for r in plan_ranges(10 * 16 * mib, 16 * mib)
-    ]
-    parts.pop(7)  # a resume found part 7 of a done: a gap
-    got = spans(parts, 4, 16 * mib)
-    assert [p for span in got for p in span] == parts
-    for span in got:
-        assert len({f for f, _ in span}) == 1
-        assert all(x[1][1] == y[1][0] for x, y in itertools.pairwise(span))
-        assert span[-1][1][1] - span[0][1][0] <= MAX_SPAN_BYTES
-    assert len(got) >= 8
-    assert max(len(span) for span in got) == 4  # 39 parts, 4 GETs at once: 4 a GET
-    # Few parts for the concurrency: one GET each, as before.
-    assert spans(parts[:10], 8, 16 * mib) == [[p] for p in parts[:10]]
-    # Small parts: never past MAX_SPAN_BYTES.
-    small = [(a, r) for r in plan_ranges(4096 * 64 * 1024, 64 * 1024)]
-    assert max(len(s) for s in spans(small, 1, 64 * 1024)) == MAX_SPAN_BYTES // (64 * 1024)
 
 
 def test_journal_round_trip_and_missing_ranges() -> None:

@@ -16,14 +16,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Final
 
 from ..base.atomicio import write_error
 from ..base.errors import ObjectTruncated, SourceCancelled, StorageFullError, WeightdError
@@ -31,33 +30,10 @@ from .journal import Journal, Range
 from .location import S3Location
 from .s3 import RemoteObject, S3Store
 
-_F = TypeVar("_F")
-
 #: A file being downloaded is ``.part-<digest of its name>``: a name no object can
 #: have (object names never start with a dot), of a fixed length whatever the object's
 #: name (a 255-byte name plus a suffix would pass the file system's name limit).
 PART_PREFIX: Final = ".part-"
-#: Most bytes one GET asks for: consecutive journal parts of a file are fetched by one
-#: request (each part still journaled, checked and counted as soon as its bytes are in),
-#: as each request costs the client and the store the same whatever its size.
-MAX_SPAN_BYTES: Final = 64 << 20
-
-
-def spans(
-    tasks: Sequence[tuple[_F, Range]], concurrency: int, part_bytes: int
-) -> list[list[tuple[_F, Range]]]:
-    """``tasks`` (parts, in order) grouped into GETs: runs of consecutive parts of one file,
-    at most :data:`MAX_SPAN_BYTES` each, and never so few GETs that ``concurrency`` of
-    them could not run at once twice over (pure)."""
-    k = max(1, min(MAX_SPAN_BYTES // max(part_bytes, 1), len(tasks) // (2 * concurrency)))
-    out: list[list[tuple[_F, Range]]] = []
-    for f, rng in tasks:
-        last = out[-1] if out else None
-        if last is not None and len(last) < k and last[-1][0] is f and last[-1][1][1] == rng[0]:
-            last.append((f, rng))
-        else:
-            out.append([(f, rng)])
-    return out
 
 
 def part_name(name: str) -> str:
@@ -166,19 +142,12 @@ class Download:
         #: GETs in flight end at once (their connections are closed), nothing is published.
         self.cancel = cancel if cancel is not None else threading.Event()
         self._lock = threading.Lock()
-        #: Parts whose bytes are all written, from the GET threads to the pump, which
-        #: ``_wake`` wakes (a part done, a GET ended).
-        self._parts: queue.SimpleQueue[tuple[_File, Range]] = queue.SimpleQueue()
-        self._wake = threading.Event()
         #: Bytes received from the store by this download (what the metrics count).
         self.fetched = 0
         self.total = sum(o.size for o in self.objects)
 
-    def _fetch(self, span: Sequence[tuple[_File, Range]]) -> None:
-        """One GET for the consecutive parts ``span`` of one file; each part is handed to
-        the pump (``self._parts``) as soon as its last byte is written."""
-        f = span[0][0]
-        start, end = span[0][1][0], span[-1][1][1]
+    def _fetch(self, f: _File, rng: Range) -> Range:
+        start, end = rng
         offset = start
         s = self.settings
         uri = self.location.object_uri(f.obj.name)
@@ -194,7 +163,6 @@ class Download:
             pace=self.throttle.reserve,
             cancel=self.cancel,
         )
-        done = 0  # parts of the span handed over
         for n in pieces:
             if self.stop.is_set():
                 raise _Stopped
@@ -209,16 +177,13 @@ class Download:
             offset += n
             with self._lock:
                 self.fetched += n
-            while done < len(span) and span[done][1][1] <= offset:
-                self._parts.put(span[done])
-                done += 1
-                self._wake.set()
         if offset != end:
             raise ObjectTruncated(
                 uri,
                 f"range [{start}, {end}) ended after {offset - start} of {end - start} bytes "
                 "(short object)",
             )
+        return rng
 
     def _open(self, obj: RemoteObject, left: int) -> _File:
         part = os.path.join(self.directory, part_name(obj.name))
@@ -290,11 +255,11 @@ class Download:
         s = self.settings
         failure: BaseException | None = None
         pool = futures.ThreadPoolExecutor(s.concurrency, thread_name_prefix="weightd-s3")
-        pending: set[futures.Future[None]] = set()
+        pending: dict[futures.Future[Range], _File] = {}
         checker = futures.ThreadPoolExecutor(1, thread_name_prefix="weightd-s3-check")
         checks: list[tuple[futures.Future[None], int]] = []
         last_check: dict[str, futures.Future[None]] = {}
-        todo = list(reversed(spans(tasks, s.concurrency, self.journal.part_bytes)))
+        queue = list(reversed(tasks))
         last_save = time.monotonic()
 
         def check(obj: RemoteObject, fd: int, ranges: AbstractSet[Range]) -> None:
@@ -311,55 +276,41 @@ class Download:
             checks[:] = [(fut, fd) for fut, fd in checks if not fut.done()]
             return None
 
-        def part_done(f: _File, rng: Range) -> None:
-            done_ranges = self.journal.done.setdefault(f.obj.name, set())
-            done_ranges.add(rng)
-            f.dirty = True
-            f.left -= 1
-            if self.on_range is not None:
-                # Its own descriptor: _finish closes f.fd while checks may queue.
-                fd = os.dup(f.fd)
-                snapshot = frozenset(done_ranges)
-                checks.append((checker.submit(check, f.obj, fd, snapshot), fd))
-                last_check[f.obj.name] = checks[-1][0]
-            if f.left == 0:
-                # The checks run in order on one thread: once this file's last
-                # one is done, every byte of it was seen (and judged) there.
-                pending_check = last_check.pop(f.obj.name, None)
-                if pending_check is not None:
-                    pending_check.result()
-                self._finish(f)
-
-        def wake(_: futures.Future[None]) -> None:
-            self._wake.set()
-
         try:
-            while todo or pending:
-                while todo and len(pending) < s.concurrency and failure is None:
-                    fut = pool.submit(self._fetch, todo.pop())
-                    pending.add(fut)
-                    fut.add_done_callback(wake)
-                self._wake.wait(s.journal_interval_s)
-                self._wake.clear()
-                # GETs that ended handed over their parts before they ended: taking
-                # them first, then the parts, sees every part of every GET taken.
-                ended = [fut for fut in pending if fut.done()]
-                finished: list[tuple[_File, Range]] = []
-                while True:
-                    try:
-                        finished.append(self._parts.get_nowait())
-                    except queue.Empty:
-                        break
-                for fut in ended:
-                    pending.discard(fut)
+            while queue or pending:
+                while queue and len(pending) < s.concurrency and failure is None:
+                    f, rng = queue.pop()
+                    pending[pool.submit(self._fetch, f, rng)] = f
+                done, _ = futures.wait(
+                    pending, timeout=s.journal_interval_s, return_when=futures.FIRST_COMPLETED
+                )
+                for fut in done:
+                    f = pending.pop(fut)
                     exc = fut.exception()
                     if exc is not None:
                         if failure is None or isinstance(failure, _Stopped):
                             failure = exc
                         self.stop.set()
-                if failure is None:
-                    for f, rng in finished:
-                        part_done(f, rng)
+                        continue
+                    if failure is not None:
+                        continue
+                    done_ranges = self.journal.done.setdefault(f.obj.name, set())
+                    done_ranges.add(fut.result())
+                    f.dirty = True
+                    f.left -= 1
+                    if self.on_range is not None:
+                        # Its own descriptor: _finish closes f.fd while checks may queue.
+                        fd = os.dup(f.fd)
+                        snapshot = frozenset(done_ranges)
+                        checks.append((checker.submit(check, f.obj, fd, snapshot), fd))
+                        last_check[f.obj.name] = checks[-1][0]
+                    if f.left == 0:
+                        # The checks run in order on one thread: once this file's last
+                        # one is done, every byte of it was seen (and judged) there.
+                        pending_check = last_check.pop(f.obj.name, None)
+                        if pending_check is not None:
+                            pending_check.result()
+                        self._finish(f)
                 if failure is None:
                     failure = check_failure()
                     if failure is None and self.cancel.is_set():
@@ -371,7 +322,7 @@ class Download:
                     if failure is not None:
                         self.stop.set()
                 if failure is not None:
-                    todo.clear()
+                    queue.clear()
                 now = time.monotonic()
                 if now - last_save >= s.journal_interval_s:
                     last_save = now
