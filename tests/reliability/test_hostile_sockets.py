@@ -121,6 +121,7 @@ def test_with_umask_000_every_socket_is_0600_in_a_0700_directory(
         "weightd.sock": 0o600,
         "weightd.sock.local": 0o600,
         "admin.sock": 0o600,
+        "admin.sock.local": 0o600,  # the trainer's publish from memory
         "weightd.sock.lock": 0o600,
         "admin.sock.lock": 0o600,
     }, {k: f"{v:04o}" for k, v in modes.items()}
@@ -140,6 +141,7 @@ def test_group_access_makes_worker_sockets_0660_and_keeps_admin_0600(
     assert modes["weightd.sock"] == 0o660
     assert modes["weightd.sock.local"] == 0o660
     assert modes["admin.sock"] == 0o600  # admin is never shared with the group
+    assert modes["admin.sock.local"] == 0o600  # nor is its side socket (publish from memory)
     # Without the flag the group may search the directory but not connect: the socket
     # is 0600, and the directory is used as it is only under a umask that keeps the
     # group out until then; under one that does not, the socket goes in a private one.

@@ -277,7 +277,7 @@ def _start_admin(
     daemon.admin_address = listeners.bind(daemon.admin_server, admin_address, tls, "admin")
     publisher = daemon.versions.publisher
     if admin_address.kind == "unix" and publisher is not None:
-        daemon.publishing = start_publish_socket(admin_address.path, publisher, group=group)
+        daemon.publishing = start_publish_socket(admin_address.path, publisher)
 
 
 def _start_health(

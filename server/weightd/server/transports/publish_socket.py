@@ -3,8 +3,9 @@
 ``<admin socket path>.local``, beside the admin socket (see ``local.proto`` for the
 exchange). Why this is safe:
 
-* **Only admins reach it.** It is a Unix socket with the admin socket's mode (0600,
-  or 0660 with group access), in the admin socket's directory, created while the
+* **Only admins reach it.** It is a Unix socket with the admin socket's mode, 0600
+  whatever ``--socket-group-access`` says (admin is never shared with the group; the
+  worker sockets are), in the admin socket's directory, created while the
   daemon holds that socket's ``flock``; the worker side socket (``<socket>.local``,
   :mod:`.local_server`) has no publish path at all and answers a publish request with
   :class:`~weightd.server.base.errors.AdminOnly`. Where the admin listener is TCP there
@@ -278,12 +279,9 @@ class PublishSocket:
             self._thread.join(timeout=5)
 
 
-def start_publish_socket(
-    admin_socket_path: str, publisher: Publisher, *, group: bool = False
-) -> PublishSocket:
-    """The admin side socket beside ``admin_socket_path``, started."""
-    server = PublishSocket(
-        admin_socket_path + LOCAL_SOCKET_SUFFIX, publisher, socket_mode=0o660 if group else 0o600
-    )
+def start_publish_socket(admin_socket_path: str, publisher: Publisher) -> PublishSocket:
+    """The admin side socket beside ``admin_socket_path``, started: 0600, as the admin
+    socket is even where the worker sockets are shared with a group."""
+    server = PublishSocket(admin_socket_path + LOCAL_SOCKET_SUFFIX, publisher, socket_mode=0o600)
     server.start()
     return server
