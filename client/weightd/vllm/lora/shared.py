@@ -18,7 +18,7 @@ What is checked before vLLM sees a byte (:func:`map_adapter`):
   operator pins): PEFT's settings are the daemon's verified file, byte for byte;
 * the memfd is sealed and every tensor re-hashed against its slice digest in the grant
   (``verify=True``), as any shared-memory fetch can ask. Where this process has
-  ``blake3`` that is BLAKE3, the pack's own kind (about 4x cheaper than SHA-256): the
+  ``blake3`` that is BLAKE3, the pack's own kind (cheaper than SHA-256): the
   daemon took those digests at load from the same immutable bytes whose SHA-256 is the
   ``weights_sha256`` checked above, so a mapping that hashes to them holds exactly the
   bytes the digest in the path names (a cryptographic hash either way).
