@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from weightd.v1 import weightd_pb2 as pb
 
+    from ..transports.local_describe import WireDescription
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -93,7 +95,9 @@ def model_info_of(m: pb.ModelSummary) -> ModelInfo:
     )
 
 
-def description_of(d: pb.ModelDescription) -> ModelDescription:
+def description_of(d: pb.ModelDescription | WireDescription) -> ModelDescription:
+    """The plain value of a description, from gRPC's message or from the side socket's
+    (the same fields, decoded without protobuf so a same-host load imports none)."""
     return ModelDescription(
         d.name,
         d.architecture,

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import os
 
-from weightd.client import FileDigest, ModelDescription, TensorInfo, WeightClient, WeightdError
+from weightd.client import ModelDescription, WeightClient, WeightdError
+from weightd.client.api.descriptions import description_of
 from weightd.client.transports.local_describe import (
     WireDescription,
     describe_local,
@@ -59,23 +60,6 @@ def describe(
 
 
 def description_of_wire(d: WireDescription) -> ModelDescription:
-    """The client's :class:`ModelDescription` of a side-socket answer (the same fields
-    as ``weightd.client.api.descriptions.description_of`` reads from gRPC's)."""
-    return ModelDescription(
-        d.name,
-        d.architecture,
-        d.config_json,
-        d.total_bytes,
-        tuple(
-            TensorInfo(t.name, t.dtype, tuple(t.shape), t.shard, t.nbytes, t.digest)
-            for t in d.tensors
-        ),
-        tuple(
-            FileDigest(f.name, f.size, f.sha256, f.device, f.inode, f.mtime_ns, f.sample_digest)
-            for f in d.files
-        ),
-        d.model_fingerprint,
-        d.host_boot_id,
-        d.version,
-        d.trust_root,
-    )
+    """The client's :class:`ModelDescription` of a side-socket answer: the same fields
+    read the same way as gRPC's (one reader)."""
+    return description_of(d)
