@@ -316,17 +316,9 @@ class LocalServer:
     def close(self) -> None:
         """Stop accepting, end every connection (and lease), free every pack."""
         self._stop.set()
-        if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
         with self._lock:
             conns = list(self._conns)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+        shut_down(self._listener, self.path, conns)
         for t in self._threads:
             t.join(timeout=5)
         self.service.close()
@@ -353,3 +345,17 @@ def start_local_server(
     )
     server.start()
     return server
+
+
+def shut_down(listener: socket.socket | None, path: str, conns: list[socket.socket]) -> None:
+    """Stop accepting on ``listener`` (its socket file removed) and end ``conns``: what
+    both side sockets do at close, before they wait for their threads."""
+    if listener is not None:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)

@@ -54,6 +54,7 @@ from ..base.errors import (
     SideChannelFull,
 )
 from ..weights.models import Published, Publisher, VersionInfo
+from .local_server import shut_down
 from .local_service import local_error
 from .options import LOCAL_SOCKET_SUFFIX
 
@@ -264,17 +265,9 @@ class PublishSocket:
         send_frame(conn, response.SerializeToString())
 
     def close(self) -> None:
-        if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
         with self._lock:
             conns = list(self._conns)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+        shut_down(self._listener, self.path, conns)
         if self._thread is not None:
             self._thread.join(timeout=5)
 
