@@ -227,6 +227,7 @@ def trainer_rows(llm: Any, admin: Any, args: argparse.Namespace, base: str) -> N
         tensors.update(load_file(os.path.join(base, name)))
     first = sorted(tensors)[0]
     step = 0
+    written: list[str] = []
     for round_ in range(args.trainer_rounds):
         for method in ("weightd-memory", "weightd-directory", "reload-save"):
             step += 1
@@ -274,8 +275,12 @@ def trainer_rows(llm: Any, admin: Any, args: argparse.Namespace, base: str) -> N
                 result.update(
                     bytes=llm.collective_rpc(worker_bytes), ranks=llm.collective_rpc(worker_seconds)
                 )
-            shutil.rmtree(out, ignore_errors=True)
+            written.append(out)
             print("RESULT " + json.dumps(result), flush=True)
+    # Removed only now: after vLLM's reload_weights the engine's model is that directory,
+    # and the next weightd update compares the served shapes with its config.json.
+    for out in written:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def perturbed_copy(base: str, out: str) -> str:
