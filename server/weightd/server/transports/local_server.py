@@ -153,22 +153,7 @@ class LocalServer:
 
     def start(self) -> None:
         """Bind and start serving. The caller holds the gRPC socket's lock."""
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISSOCK(st.st_mode):
-                raise ListenError(f"{self.path} exists and is not a socket; refusing to replace it")
-            os.unlink(self.path)  # left by a daemon that died; we hold the lock
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            listener.bind(self.path)
-            os.chmod(self.path, self.socket_mode)  # not the umask's
-            listener.listen(128)
-        except OSError as exc:
-            listener.close()
-            raise ListenError(f"cannot listen on side socket {self.path}: {exc}") from None
+        listener = listen_unix(self.path, self.socket_mode, 128, "side socket")
         self._listener = listener
         interval = min(_REAP_INTERVAL_MAX, max(0.05, self.service.host.ttl_seconds / 4))
         for target, name, args in (
@@ -359,3 +344,26 @@ def shut_down(listener: socket.socket | None, path: str, conns: list[socket.sock
     for conn in conns:
         with contextlib.suppress(OSError):
             conn.shutdown(socket.SHUT_RDWR)
+
+
+def listen_unix(path: str, mode: int, backlog: int, what: str) -> socket.socket:
+    """A Unix listener at ``path`` with ``mode`` (not the umask's): a socket left there
+    by a daemon that died is replaced (the caller holds the lock beside it), anything
+    else there is refused. What both side sockets bind."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ListenError(f"{path} exists and is not a socket; refusing to replace it")
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        listener.bind(path)
+        os.chmod(path, mode)
+        listener.listen(backlog)
+    except OSError as exc:
+        listener.close()
+        raise ListenError(f"cannot listen on {what} {path}: {exc}") from None
+    return listener

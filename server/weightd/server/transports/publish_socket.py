@@ -34,7 +34,6 @@ import logging
 import os
 import select
 import socket
-import stat
 import threading
 import time
 from typing import Final
@@ -47,14 +46,13 @@ from weightd.v1 import weightd_pb2 as pb
 
 from ..base.bounds import check_fields
 from ..base.errors import (
-    ListenError,
     LocalProtocolError,
     PublishAborted,
     PublishRefused,
     SideChannelFull,
 )
 from ..weights.models import Published, Publisher, VersionInfo
-from .local_server import shut_down
+from .local_server import listen_unix, shut_down
 from .local_service import local_error
 from .options import LOCAL_SOCKET_SUFFIX
 
@@ -122,22 +120,7 @@ class PublishSocket:
 
     def start(self) -> None:
         """Bind and serve. The caller holds the admin socket's lock."""
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISSOCK(st.st_mode):
-                raise ListenError(f"{self.path} exists and is not a socket; refusing to replace it")
-            os.unlink(self.path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            listener.bind(self.path)
-            os.chmod(self.path, self.socket_mode)
-            listener.listen(16)
-        except OSError as exc:
-            listener.close()
-            raise ListenError(f"cannot listen on admin side socket {self.path}: {exc}") from None
+        listener = listen_unix(self.path, self.socket_mode, 16, "admin side socket")
         self._listener = listener
         self._thread = threading.Thread(
             target=self._accept_loop, args=(listener,), name="weightd-publish-accept", daemon=True
